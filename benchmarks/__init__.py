@@ -1,0 +1,1 @@
+"""Benchmarks and real-data fixtures for uzip-serve."""

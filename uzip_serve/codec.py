@@ -1,0 +1,154 @@
+"""Public codec API: compress / decompress torch tensors into uzip frames.
+
+Frames are self-describing (dtype, shape, checksums; see docs/format.md), so a frame
+made on one host decodes on any other. Decoding either returns the exact original
+bits or raises FrameError; it never returns a wrong tensor.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING, Any
+
+from uzip_serve import format as fmt
+from uzip_serve.format import FrameError, FrameHeader
+from uzip_serve.kernels import get_backend
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+Buffer = Any  # bytes, bytearray, memoryview, numpy array: anything with the buffer protocol
+
+
+def default_threads() -> int:
+    """Threads the codec uses when the caller does not say: $UZIP_NUM_THREADS, else every
+    core this process may run on."""
+    env = os.environ.get("UZIP_NUM_THREADS")
+    if env:
+        return max(1, int(env))
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _as_host_tensor(tensor) -> "torch.Tensor":
+    import numpy as np
+    import torch
+
+    if isinstance(tensor, np.ndarray):
+        tensor = torch.from_numpy(np.ascontiguousarray(tensor))
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor or numpy array, got {type(tensor).__name__}")
+    if tensor.is_sparse or tensor.layout != torch.strided:
+        raise TypeError(f"only dense (strided) tensors can be compressed, got layout {tensor.layout}")
+    if tensor.device.type != "cpu":
+        # No GPU backend yet: stage through host memory so CUDA callers still work.
+        logger.debug("compressing a %s tensor on the CPU", tensor.device)
+        tensor = tensor.cpu()
+    if not tensor.is_contiguous():
+        # Frames hold elements in row-major order; a strided view is gathered first.
+        tensor = tensor.contiguous()
+    return tensor
+
+
+def _bytes_view(tensor: "torch.Tensor"):
+    """A writable uint8 numpy view sharing the tensor's memory (no copy)."""
+    import torch
+
+    return tensor.reshape(-1).view(torch.uint8).numpy()
+
+
+def max_compressed_size(nbytes: int, dtype) -> int:
+    """The largest frame `compress` can produce for `nbytes` bytes of `dtype` (a torch
+    dtype or its name). Size `compress_into` buffers with it."""
+    return fmt.max_compressed_size(nbytes, _dtype_name(dtype))
+
+
+def compress_into(tensor, out: Buffer, *, threads: int | None = None) -> int:
+    """Compresses `tensor` into the writable buffer `out` and returns the frame's size.
+
+    `out` must hold at least max_compressed_size(tensor.nbytes, tensor.dtype) bytes;
+    only the first (returned) bytes are the frame. Blocks until done.
+    """
+    t = _as_host_tensor(tensor)
+    dt = fmt.dtype_by_name(_dtype_name(t.dtype))
+    shape = tuple(t.shape)
+    if len(shape) > fmt.MAX_NDIM:
+        raise ValueError(f"tensors of more than {fmt.MAX_NDIM} dims are not supported (got {len(shape)})")
+    numel = t.numel()
+    out_mv = memoryview(out).cast("B")
+    need = fmt.max_compressed_size(numel * dt.itemsize, dt.name, ndim=len(shape))
+    if len(out_mv) < need:
+        raise ValueError(f"output buffer holds {len(out_mv)} bytes; max_compressed_size needs {need}")
+    backend = get_backend("cpu")
+    head = fmt.pack_header(dt, shape, numel, 0, fmt.DEFAULT_BLOCK_ELEMS, fmt.DEFAULT_SUBSTREAM_ELEMS)
+    out_mv[: len(head)] = head
+    table_offset = len(head)
+    payload_offset = fmt.payload_offset(len(shape), fmt.num_blocks(numel, fmt.DEFAULT_BLOCK_ELEMS))
+    end = backend.compress_blocks(
+        _bytes_view(t), numel, dt.layout, dt.itemsize, fmt.DEFAULT_BLOCK_ELEMS, fmt.DEFAULT_SUBSTREAM_ELEMS,
+        out_mv, table_offset, payload_offset, threads or default_threads())
+    fmt.finish_header(out_mv, end, payload_offset, backend.crc32c)
+    return end
+
+
+def compress(tensor, *, threads: int | None = None) -> bytearray:
+    """Compresses a tensor (any dtype, any shape, CPU or CUDA) into a uzip frame.
+
+    Returns a bytearray holding exactly the frame. Lossless: decompress() gives back
+    the same bits, NaN payloads and signed zeros included.
+    """
+    t = _as_host_tensor(tensor)
+    out = bytearray(max_compressed_size(t.numel() * t.element_size(), t.dtype))
+    n = compress_into(t, out, threads=threads)
+    del out[n:]  # shrinks in place; the frame is not copied
+    return out
+
+
+def read_header(buf: Buffer) -> FrameHeader:
+    """Parses and validates a frame's header (dtype, shape, sizes) without decoding."""
+    return fmt.parse_header(buf, get_backend("cpu").crc32c)
+
+
+def decompress(buf: Buffer, *, out: "torch.Tensor | None" = None, device=None,
+               threads: int | None = None) -> "torch.Tensor":
+    """Decodes a uzip frame into a tensor with the original dtype, shape and bits.
+
+    `out`, if given, must be a contiguous tensor of the frame's dtype and shape; it is
+    filled in place and returned. `device` moves the result (e.g. "cuda"). Raises
+    FrameError if the frame is truncated, extended, corrupted or of an unknown version;
+    then `out` may hold partial data but nothing is returned.
+    """
+    import torch
+
+    header = read_header(buf)
+    torch_dtype = getattr(torch, header.dtype.name, None)
+    if torch_dtype is None:
+        raise FrameError(f"frame holds {header.dtype.name}, which this torch build ({torch.__version__}) lacks")
+    target = out
+    if out is not None:
+        if out.dtype != torch_dtype or tuple(out.shape) != header.shape:
+            raise ValueError(f"out is {out.dtype} {tuple(out.shape)}, the frame holds "
+                             f"{torch_dtype} {header.shape}")
+        if not out.is_contiguous():
+            raise ValueError("out must be contiguous")
+        if out.device.type != "cpu":
+            target = None  # decode on the host, then copy into the device tensor
+    if target is None:
+        target = torch.empty(header.shape, dtype=torch_dtype)
+    if header.numel:
+        get_backend("cpu").decompress_blocks(buf, header, _bytes_view(target), threads or default_threads())
+    if out is not None and target is not out:
+        out.copy_(target)
+        target = out
+    if device is not None:
+        target = target.to(device)
+    return target

@@ -1,0 +1,218 @@
+"""The uzip frame: the one place its header layout, dtype table and limits live.
+
+docs/format.md is the human-readable specification; this module is its executable
+twin. Every codec backend (the C CPU codec, the GPU kernels) writes and reads block
+payloads as docs/format.md describes, and leaves the header to this module.
+
+Everything is little-endian. A frame is::
+
+    header      40 bytes, FRAME_HEADER below
+    dims        ndim x u64, the tensor's shape
+    block table num_blocks x 12 bytes: u32 payload bytes, u32 crc32c(original block
+                bytes), u32 crc32c(payload bytes)
+    header_crc  u32, crc32c of every byte above
+    payloads    num_blocks block payloads, back to back
+
+Nothing here imports torch; dtypes are named by their torch names ("bfloat16").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+
+MAGIC = b"UZIP"
+FORMAT_VERSION = 1
+
+# magic(4s) version(u16) dtype(u8) ndim(u8) numel(u64) frame_nbytes(u64)
+# block_elems(u32) substream_elems(u32) num_blocks(u32) flags(u32)
+FRAME_HEADER = struct.Struct("<4sHBBQQIIII")
+HEADER_NBYTES = FRAME_HEADER.size  # 40, pinned by a test
+DIM = struct.Struct("<Q")
+_FRAME_NBYTES = struct.Struct("<Q")
+_FRAME_NBYTES_OFFSET = 16  # after magic, version, dtype, ndim, numel
+TABLE_ENTRY = struct.Struct("<III")  # payload bytes, crc32c(original), crc32c(payload)
+CRC = struct.Struct("<I")
+
+MAX_NDIM = 8
+MIN_BLOCK_ELEMS = 256
+MAX_BLOCK_ELEMS = 65536  # keeps every sub-stream offset inside a u16
+MIN_SUBSTREAM_ELEMS = 64
+DEFAULT_BLOCK_ELEMS = 65536
+DEFAULT_SUBSTREAM_ELEMS = 1024
+# Refuse to allocate more than this for one decoded tensor, whatever a header claims.
+MAX_DECODED_NBYTES = 1 << 46
+
+# Element layouts: how an element is cut into byte planes (docs/format.md, "Layouts").
+LAYOUT_BYTES = 0  # plane j = byte j of the element
+LAYOUT_BF16 = 1  # plane 0 = 8-bit exponent, plane 1 = sign | 7-bit mantissa
+LAYOUT_FP32 = 2  # plane 0 = exponent, planes 1..3 = sign | 23-bit mantissa, low byte first
+
+
+@dataclasses.dataclass(frozen=True)
+class DType:
+    code: int  # the u8 stored in the header; never reuse a retired code
+    name: str  # torch's name, e.g. "bfloat16"
+    itemsize: int  # bytes per element
+    layout: int  # LAYOUT_*
+
+
+_DTYPES = [
+    DType(1, "bool", 1, LAYOUT_BYTES),
+    DType(2, "uint8", 1, LAYOUT_BYTES),
+    DType(3, "int8", 1, LAYOUT_BYTES),
+    DType(4, "int16", 2, LAYOUT_BYTES),
+    DType(5, "int32", 4, LAYOUT_BYTES),
+    DType(6, "int64", 8, LAYOUT_BYTES),
+    DType(7, "uint16", 2, LAYOUT_BYTES),
+    DType(8, "uint32", 4, LAYOUT_BYTES),
+    DType(9, "uint64", 8, LAYOUT_BYTES),
+    # fp16's high byte is sign + 5-bit exponent + 2 mantissa bits: coding that byte
+    # beat splitting out the 5-bit exponent (docs/format.md, "Layouts").
+    DType(10, "float16", 2, LAYOUT_BYTES),
+    DType(11, "bfloat16", 2, LAYOUT_BF16),
+    DType(12, "float32", 4, LAYOUT_FP32),
+    DType(13, "float64", 8, LAYOUT_BYTES),
+    DType(14, "complex64", 8, LAYOUT_BYTES),
+    DType(15, "complex128", 16, LAYOUT_BYTES),
+    DType(16, "float8_e4m3fn", 1, LAYOUT_BYTES),
+    DType(17, "float8_e5m2", 1, LAYOUT_BYTES),
+    DType(18, "float8_e4m3fnuz", 1, LAYOUT_BYTES),
+    DType(19, "float8_e5m2fnuz", 1, LAYOUT_BYTES),
+    DType(20, "float8_e8m0fnu", 1, LAYOUT_BYTES),
+    DType(21, "complex32", 4, LAYOUT_BYTES),
+]
+DTYPES_BY_CODE = {d.code: d for d in _DTYPES}
+DTYPES_BY_NAME = {d.name: d for d in _DTYPES}
+
+
+class FrameError(ValueError):
+    """A buffer is not a valid uzip frame: truncated, extended, corrupted or unsupported.
+
+    Raised before any output is handed back; a decode that raises has returned nothing.
+    """
+
+
+@dataclasses.dataclass(frozen=True)
+class FrameHeader:
+    dtype: DType
+    shape: tuple[int, ...]
+    numel: int
+    frame_nbytes: int  # the whole frame, header included
+    block_elems: int
+    substream_elems: int
+    num_blocks: int
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the original (decoded) tensor."""
+        return self.numel * self.dtype.itemsize
+
+    @property
+    def table_offset(self) -> int:
+        return HEADER_NBYTES + DIM.size * len(self.shape)
+
+    @property
+    def payload_offset(self) -> int:
+        return self.table_offset + TABLE_ENTRY.size * self.num_blocks + CRC.size
+
+    @property
+    def ratio(self) -> float:
+        """Compressed bytes over original bytes (lower is better)."""
+        return self.frame_nbytes / self.nbytes if self.nbytes else float("nan")
+
+
+def dtype_by_name(name: str) -> DType:
+    try:
+        return DTYPES_BY_NAME[name]
+    except KeyError:
+        raise TypeError(
+            f"uzip cannot encode dtype {name!r}; supported: {', '.join(sorted(DTYPES_BY_NAME))}"
+        ) from None
+
+
+def num_blocks(numel: int, block_elems: int) -> int:
+    return -(-numel // block_elems)
+
+
+def payload_offset(ndim: int, nblocks: int) -> int:
+    return HEADER_NBYTES + DIM.size * ndim + TABLE_ENTRY.size * nblocks + CRC.size
+
+
+def max_compressed_size(nbytes: int, dtype: str, *, ndim: int = MAX_NDIM,
+                        block_elems: int = DEFAULT_BLOCK_ELEMS) -> int:
+    """Upper bound on the frame size for a tensor of `nbytes` bytes of `dtype`.
+
+    A block never takes more than its raw bytes plus its 1-byte mode (the encoder
+    falls back to a raw block), so the bound is raw + header + 13 bytes per block.
+    """
+    dt = dtype_by_name(dtype)
+    if nbytes < 0 or nbytes % dt.itemsize:
+        raise ValueError(f"nbytes={nbytes} is not a whole number of {dtype} elements")
+    nblocks = num_blocks(nbytes // dt.itemsize, block_elems)
+    return payload_offset(ndim, nblocks) + nbytes + nblocks
+
+
+def pack_header(dt: DType, shape: tuple[int, ...], numel: int, frame_nbytes: int, block_elems: int,
+                substream_elems: int) -> bytes:
+    """Header and dims; the block table and header CRC follow (see finish_header)."""
+    nblocks = num_blocks(numel, block_elems)
+    head = FRAME_HEADER.pack(MAGIC, FORMAT_VERSION, dt.code, len(shape), numel, frame_nbytes, block_elems,
+                             substream_elems, nblocks, 0)
+    return head + b"".join(DIM.pack(d) for d in shape)
+
+
+def finish_header(frame, frame_nbytes: int, payload_offset: int, crc32c) -> None:
+    """Stores the final frame size and the header CRC once the block table is written."""
+    _FRAME_NBYTES.pack_into(frame, _FRAME_NBYTES_OFFSET, frame_nbytes)
+    crc_at = payload_offset - CRC.size
+    CRC.pack_into(frame, crc_at, crc32c(frame[:crc_at]))
+
+
+def parse_header(buf, crc32c) -> FrameHeader:
+    """Validates everything up to the payloads; raises FrameError with the reason.
+
+    `crc32c(data) -> int` is passed in so this module stays free of compiled code.
+    Every length is checked against len(buf) before anything is allocated.
+    """
+    mv = memoryview(buf).cast("B")
+    n = len(mv)
+    if n < HEADER_NBYTES:
+        raise FrameError(f"truncated frame: {n} bytes, the header alone needs {HEADER_NBYTES}")
+    (magic, version, dcode, ndim, numel, frame_nbytes, block_elems, substream, nblocks,
+     flags) = FRAME_HEADER.unpack_from(mv, 0)
+    if magic != MAGIC:
+        raise FrameError(f"not a uzip frame (magic {bytes(magic)!r}, expected {MAGIC!r})")
+    if version != FORMAT_VERSION:
+        raise FrameError(f"unsupported uzip format version {version}; this build reads {FORMAT_VERSION}")
+    if frame_nbytes != n:
+        kind = "truncated" if n < frame_nbytes else "extended"
+        raise FrameError(f"{kind} frame: buffer holds {n} bytes, header declares {frame_nbytes}")
+    dt = DTYPES_BY_CODE.get(dcode)
+    if dt is None:
+        raise FrameError(f"unknown dtype code {dcode}")
+    if ndim > MAX_NDIM:
+        raise FrameError(f"ndim {ndim} exceeds the maximum {MAX_NDIM}")
+    if flags != 0:
+        raise FrameError(f"unknown header flags 0x{flags:x}")
+    if not (MIN_BLOCK_ELEMS <= block_elems <= MAX_BLOCK_ELEMS) or block_elems & (block_elems - 1):
+        raise FrameError(f"invalid block size {block_elems} elements")
+    if not (MIN_SUBSTREAM_ELEMS <= substream <= block_elems) or substream & (substream - 1):
+        raise FrameError(f"invalid sub-stream size {substream} elements")
+    if numel * dt.itemsize > MAX_DECODED_NBYTES:
+        raise FrameError(f"declared size {numel} x {dt.name} is absurd (limit {MAX_DECODED_NBYTES} bytes)")
+    if nblocks != num_blocks(numel, block_elems):
+        raise FrameError(f"{nblocks} blocks declared, {numel} elements need {num_blocks(numel, block_elems)}")
+    end = payload_offset(ndim, nblocks)
+    if end > n:
+        raise FrameError(f"truncated frame: header and block table need {end} bytes, buffer holds {n}")
+    shape = tuple(DIM.unpack_from(mv, HEADER_NBYTES + DIM.size * i)[0] for i in range(ndim))
+    prod = 1
+    for d in shape:
+        prod *= d
+    if prod != numel:
+        raise FrameError(f"shape {shape} has {prod} elements, header declares {numel}")
+    (stored_crc,) = CRC.unpack_from(mv, end - CRC.size)
+    if crc32c(mv[: end - CRC.size]) != stored_crc:
+        raise FrameError("header checksum mismatch (header or block table corrupted)")
+    return FrameHeader(dt, shape, numel, frame_nbytes, block_elems, substream, nblocks)

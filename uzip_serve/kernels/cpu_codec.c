@@ -1,0 +1,1046 @@
+/*
+ * CPU implementation of the uzip frame codec: block payloads and the block table.
+ *
+ * The frame layout is specified in docs/format.md and owned on the Python side by
+ * uzip_serve/format.py (header, shape, validation). This file only encodes and
+ * decodes the per-block payloads those documents describe; keep the three in step.
+ *
+ * Parallelism: blocks are independent, so both directions fan out over blocks with
+ * plain pthreads (no OpenMP: its spinning idle threads would steal the 2 cores a
+ * UCX progress thread needs in the P2P pipeline). The GIL is released throughout.
+ *
+ * Safety: the decoder treats the frame as hostile. Every length and offset is checked
+ * against the buffer before use, every loop is bounded by a symbol count, and bit
+ * readers near the end of the buffer fall back to a bounds-checked load.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ---- format constants (docs/format.md, "Block payload") ---- */
+enum { LAYOUT_BYTES = 0, LAYOUT_BF16 = 1, LAYOUT_FP32 = 2 };
+enum { BLOCK_RAW = 0, BLOCK_DENSE = 1, BLOCK_SPARSE = 2 };
+enum { PLANE_RAW = 0, PLANE_CONST = 1, PLANE_HUFF = 2 };
+#define MAX_CODE_LEN 11 /* longest Huffman code, bits; also the decode table index width */
+#define LUT_SIZE (1u << MAX_CODE_LEN)
+#define MAX_PLANES 16
+#define TABLE_ENTRY_BYTES 12 /* u32 payload bytes, u32 crc32c(original), u32 crc32c(payload) */
+#define MAX_BLOCK_ELEMS 65536u
+
+/* ---- little-endian loads and stores (the format is little-endian everywhere) ---- */
+static inline uint64_t load64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
+static inline void store64(uint8_t *p, uint64_t v) { memcpy(p, &v, 8); }
+static inline uint16_t load16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+static inline void store16(uint8_t *p, uint16_t v) { memcpy(p, &v, 2); }
+static inline uint32_t load32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+static inline void store32(uint8_t *p, uint32_t v) { memcpy(p, &v, 4); }
+
+/* Loads up to 8 bytes that may run past `end`; missing bytes read as zero. */
+static inline uint64_t load64_tail(const uint8_t *p, const uint8_t *end) {
+    uint8_t tmp[8] = {0};
+    if (p < end) memcpy(tmp, p, (size_t)(end - p) < 8 ? (size_t)(end - p) : 8);
+    return load64(tmp);
+}
+
+/* ---- CRC32C (Castagnoli), hardware when the CPU has SSE4.2 ---- */
+static uint32_t crc_table[8][256];
+
+static void crc_init_tables(void) {
+    for (uint32_t i = 0; i < 256; i++) {
+        uint32_t c = i;
+        for (int k = 0; k < 8; k++) c = (c >> 1) ^ (0x82F63B78u & (0u - (c & 1u)));
+        crc_table[0][i] = c;
+    }
+    for (uint32_t i = 0; i < 256; i++)
+        for (int t = 1; t < 8; t++)
+            crc_table[t][i] = (crc_table[t - 1][i] >> 8) ^ crc_table[0][crc_table[t - 1][i] & 0xFF];
+}
+
+static uint32_t crc32c_sw(uint32_t crc, const uint8_t *p, size_t n) {
+    crc = ~crc;
+    while (n >= 8) {
+        uint64_t v = load64(p) ^ crc;
+        crc = crc_table[7][v & 0xFF] ^ crc_table[6][(v >> 8) & 0xFF] ^ crc_table[5][(v >> 16) & 0xFF] ^
+              crc_table[4][(v >> 24) & 0xFF] ^ crc_table[3][(v >> 32) & 0xFF] ^
+              crc_table[2][(v >> 40) & 0xFF] ^ crc_table[1][(v >> 48) & 0xFF] ^ crc_table[0][v >> 56];
+        p += 8;
+        n -= 8;
+    }
+    while (n--) crc = (crc >> 8) ^ crc_table[0][(crc ^ *p++) & 0xFF];
+    return ~crc;
+}
+
+/* crc(A || B) from crc(A), crc(B) and |B|: multiply crc(A) by x^(8|B|) mod P in GF(2)
+ * (the technique of zlib's crc32_combine). Lets independent lanes run in parallel. */
+static uint32_t x2n_table[32];
+
+static uint32_t multmodp(uint32_t a, uint32_t b) {
+    uint32_t m = 1u << 31, p = 0;
+    for (;;) {
+        if (a & m) {
+            p ^= b;
+            if ((a & (m - 1)) == 0) break;
+        }
+        m >>= 1;
+        b = (b & 1) ? (b >> 1) ^ 0x82F63B78u : b >> 1;
+    }
+    return p;
+}
+
+static void crc_init_combine(void) {
+    uint32_t p = 1u << 30; /* x^1 */
+    x2n_table[0] = p;
+    for (int n = 1; n < 32; n++) x2n_table[n] = p = multmodp(p, p);
+}
+
+static uint32_t crc32c_combine(uint32_t crc_a, uint32_t crc_b, size_t len_b) {
+    uint32_t p = 1u << 31; /* x^0 */
+    for (int k = 3; len_b; len_b >>= 1, k++)
+        if (len_b & 1) p = multmodp(x2n_table[k & 31], p);
+    return multmodp(p, crc_a) ^ crc_b;
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <nmmintrin.h>
+/* crc32q has a 3-cycle latency and 1-cycle throughput: three independent lanes keep
+ * the unit busy, then the lanes are stitched together with crc32c_combine. */
+__attribute__((target("sse4.2"))) static uint32_t crc32c_hw(uint32_t crc, const uint8_t *p, size_t n) {
+    if (n >= 3 * 4096) {
+        size_t lane = (n / 3) & ~(size_t)7;
+        uint64_t a = (uint32_t)~crc, b = 0xFFFFFFFFu, c = 0xFFFFFFFFu;
+        const uint8_t *pb = p + lane, *pc = p + 2 * lane;
+        for (size_t i = 0; i < lane; i += 8) {
+            a = _mm_crc32_u64(a, load64(p + i));
+            b = _mm_crc32_u64(b, load64(pb + i));
+            c = _mm_crc32_u64(c, load64(pc + i));
+        }
+        uint32_t ab = crc32c_combine(~(uint32_t)a, ~(uint32_t)b, lane);
+        crc = crc32c_combine(ab, ~(uint32_t)c, lane);
+        p += 3 * lane;
+        n -= 3 * lane;
+    }
+    uint64_t c = (uint32_t)~crc;
+    while (n >= 8) {
+        c = _mm_crc32_u64(c, load64(p));
+        p += 8;
+        n -= 8;
+    }
+    while (n--) c = _mm_crc32_u8((uint32_t)c, *p++);
+    return ~(uint32_t)c;
+}
+static int have_sse42;
+static uint32_t crc32c(uint32_t crc, const uint8_t *p, size_t n) {
+    return have_sse42 ? crc32c_hw(crc, p, n) : crc32c_sw(crc, p, n);
+}
+#else
+static uint32_t crc32c(uint32_t crc, const uint8_t *p, size_t n) { return crc32c_sw(crc, p, n); }
+#endif
+
+/* ---- element <-> plane transforms (docs/format.md, "Layouts") ---- */
+static int num_planes(int layout, int itemsize) {
+    return layout == LAYOUT_BYTES ? itemsize : (layout == LAYOUT_BF16 ? 2 : 4);
+}
+
+/* Splits n elements into planes and returns the full histogram of plane 0 (the one
+ * that is always entropy coded). For single-byte elements plane 0 aliases src. */
+static void split_planes(int layout, int itemsize, const uint8_t *src, size_t n, uint8_t **planes,
+                         uint32_t *hist0) {
+    uint32_t h[2][256];
+    memset(h, 0, sizeof(h));
+    if (layout == LAYOUT_BF16) {
+        uint8_t *e = planes[0], *r = planes[1];
+        size_t i = 0;
+        for (; i + 2 <= n; i += 2) {
+            uint32_t x = load32(src + 2 * i);
+            uint32_t e0 = (x >> 7) & 0xFF, e1 = (x >> 23) & 0xFF;
+            e[i] = (uint8_t)e0;
+            e[i + 1] = (uint8_t)e1;
+            r[i] = (uint8_t)(((x >> 8) & 0x80) | (x & 0x7F));
+            r[i + 1] = (uint8_t)(((x >> 24) & 0x80) | ((x >> 16) & 0x7F));
+            h[0][e0]++;
+            h[1][e1]++;
+        }
+        for (; i < n; i++) {
+            uint32_t x = load16(src + 2 * i);
+            e[i] = (uint8_t)((x >> 7) & 0xFF);
+            r[i] = (uint8_t)(((x >> 8) & 0x80) | (x & 0x7F));
+            h[0][e[i]]++;
+        }
+    } else if (layout == LAYOUT_FP32) {
+        for (size_t i = 0; i < n; i++) {
+            uint32_t x = load32(src + 4 * i);
+            uint32_t e = (x >> 23) & 0xFF;
+            planes[0][i] = (uint8_t)e;
+            planes[1][i] = (uint8_t)(x & 0xFF);
+            planes[2][i] = (uint8_t)((x >> 8) & 0xFF);
+            planes[3][i] = (uint8_t)(((x >> 24) & 0x80) | ((x >> 16) & 0x7F));
+            h[i & 1][e]++;
+        }
+    } else if (itemsize == 1) {
+        planes[0] = (uint8_t *)src; /* no split needed; read-only use */
+        size_t i = 0;
+        for (; i + 2 <= n; i += 2) {
+            h[0][src[i]]++;
+            h[1][src[i + 1]]++;
+        }
+        if (i < n) h[0][src[i]]++;
+    } else {
+        for (size_t i = 0; i < n; i++) {
+            for (int j = 0; j < itemsize; j++) planes[j][i] = src[(size_t)itemsize * i + j];
+            h[i & 1][src[(size_t)itemsize * i]]++;
+        }
+    }
+    for (int s = 0; s < 256; s++) hist0[s] = h[0][s] + h[1][s];
+}
+
+/* Inverse of split_planes for n elements. */
+static void merge_planes(int layout, int itemsize, const uint8_t *const *planes, size_t n, uint8_t *dst) {
+    if (layout == LAYOUT_BF16) {
+        const uint8_t *e = planes[0], *r = planes[1];
+        for (size_t i = 0; i < n; i++) {
+            uint16_t x = (uint16_t)(((r[i] & 0x80u) << 8) | ((uint32_t)e[i] << 7) | (r[i] & 0x7Fu));
+            store16(dst + 2 * i, x);
+        }
+    } else if (layout == LAYOUT_FP32) {
+        for (size_t i = 0; i < n; i++) {
+            uint32_t r3 = planes[3][i];
+            uint32_t x = ((r3 & 0x80u) << 24) | ((uint32_t)planes[0][i] << 23) | ((r3 & 0x7Fu) << 16) |
+                         ((uint32_t)planes[2][i] << 8) | planes[1][i];
+            store32(dst + 4 * i, x);
+        }
+    } else if (itemsize == 1) {
+        if (planes[0] != dst) memcpy(dst, planes[0], n);
+    } else {
+        for (size_t i = 0; i < n; i++)
+            for (int j = 0; j < itemsize; j++) dst[(size_t)itemsize * i + j] = planes[j][i];
+    }
+}
+
+/* ---- length-limited canonical Huffman ---- */
+
+/* Code lengths for a histogram with >= 2 used symbols, none longer than MAX_CODE_LEN.
+ * Plain Huffman (two-queue merge over sorted leaves); if the tree is too deep the
+ * counts are flattened and the tree rebuilt, which converges to a balanced tree. */
+static void build_lengths(const uint32_t *hist, uint8_t *len) {
+    uint32_t f[256];
+    uint16_t sym[256];
+    int n = 0;
+    for (int s = 0; s < 256; s++)
+        if (hist[s]) {
+            f[n] = hist[s];
+            sym[n++] = (uint16_t)s;
+        }
+    for (;;) {
+        /* insertion sort by count (n <= 256, usually ~30) */
+        for (int i = 1; i < n; i++) {
+            uint32_t fi = f[i];
+            uint16_t si = sym[i];
+            int j = i - 1;
+            while (j >= 0 && f[j] > fi) {
+                f[j + 1] = f[j];
+                sym[j + 1] = sym[j];
+                j--;
+            }
+            f[j + 1] = fi;
+            sym[j + 1] = si;
+        }
+        uint64_t w[512];
+        uint16_t parent[512];
+        uint8_t depth[512];
+        for (int i = 0; i < n; i++) w[i] = f[i];
+        int leaf = 0, inode = n, next = n;
+        while (next < 2 * n - 1) {
+            int pick[2];
+            for (int t = 0; t < 2; t++) {
+                if (leaf < n && (inode >= next || w[leaf] <= w[inode]))
+                    pick[t] = leaf++;
+                else
+                    pick[t] = inode++;
+            }
+            w[next] = w[pick[0]] + w[pick[1]];
+            parent[pick[0]] = parent[pick[1]] = (uint16_t)next;
+            next++;
+        }
+        int root = 2 * n - 2, maxd = 0;
+        depth[root] = 0;
+        for (int i = root - 1; i >= 0; i--) {
+            depth[i] = (uint8_t)(depth[parent[i]] + 1);
+            if (i < n && depth[i] > maxd) maxd = depth[i];
+        }
+        if (maxd <= MAX_CODE_LEN) {
+            memset(len, 0, 256);
+            for (int i = 0; i < n; i++) len[sym[i]] = depth[i];
+            return;
+        }
+        for (int i = 0; i < n; i++) f[i] = (f[i] + 1) >> 1;
+    }
+}
+
+static inline uint32_t reverse_bits(uint32_t c, int nbits) {
+    uint32_t r = 0;
+    for (int i = 0; i < nbits; i++) r |= ((c >> i) & 1u) << (nbits - 1 - i);
+    return r;
+}
+
+/* Canonical codes ordered by (length, symbol), stored bit-reversed because the bit
+ * stream is filled LSB first. Returns 0, or -1 if the lengths over-subscribe the code
+ * space (only possible for a hostile frame). */
+static int assign_codes(const uint8_t *len, uint16_t *code) {
+    uint32_t count[MAX_CODE_LEN + 1] = {0}, next[MAX_CODE_LEN + 2];
+    for (int s = 0; s < 256; s++) count[len[s]]++;
+    count[0] = 0;
+    uint32_t c = 0, kraft = 0;
+    for (int l = 1; l <= MAX_CODE_LEN; l++) {
+        c = (c + count[l - 1]) << 1;
+        next[l] = c;
+        kraft += count[l] << (MAX_CODE_LEN - l);
+    }
+    if (kraft > LUT_SIZE) return -1;
+    for (int s = 0; s < 256; s++)
+        if (len[s]) code[s] = (uint16_t)reverse_bits(next[len[s]]++, len[s]);
+    return 0;
+}
+
+/* Decode table over the next MAX_CODE_LEN bits of a stream. Each entry yields one or,
+ * when a second whole code fits in the window, two symbols, halving the serial chain
+ * of table lookups that bounds Huffman decoding:
+ *   bits 0-7 first symbol, 8-15 second symbol, 16-19 first code's length,
+ *   20-24 bits consumed, 25-26 symbols yielded, 27 "no code starts here".
+ * Invalid entries still yield one (garbage) symbol so every loop makes progress; the
+ * flag turns the stream into an error. */
+#define LUT_SYM1(e) ((uint8_t)(e))
+#define LUT_LEN1(e) (((e) >> 16) & 0xF)
+#define LUT_BITS(e) (((e) >> 20) & 0x1F)
+#define LUT_NSYM(e) (((e) >> 25) & 0x3)
+#define LUT_BAD(e) ((e) >> 27)
+
+static int build_lut(const uint8_t *len, uint32_t *lut) {
+    uint16_t code[256];
+    if (assign_codes(len, code) < 0) return -1;
+    for (uint32_t j = 0; j < LUT_SIZE; j++) lut[j] = (1u << 25) | (1u << 27);
+    for (int s = 0; s < 256; s++) {
+        if (!len[s]) continue;
+        uint32_t e = (uint32_t)s | ((uint32_t)len[s] << 16) | ((uint32_t)len[s] << 20) | (1u << 25);
+        for (uint32_t j = code[s]; j < LUT_SIZE; j += 1u << len[s]) lut[j] = e;
+    }
+    for (uint32_t j = 0; j < LUT_SIZE; j++) {
+        uint32_t e = lut[j];
+        if (LUT_BAD(e)) continue;
+        uint32_t l1 = LUT_LEN1(e), e2 = lut[j >> l1];
+        if (!LUT_BAD(e2) && LUT_LEN1(e2) + l1 <= MAX_CODE_LEN)
+            lut[j] = (e & 0xFFFFu) | ((uint32_t)LUT_SYM1(e2) << 8) | (l1 << 16) | ((l1 + LUT_LEN1(e2)) << 20) |
+                     (2u << 25);
+    }
+    return 0;
+}
+
+/* ---- bit streams ---- */
+
+/* Encodes count symbols LSB-first; needs 8 bytes of slack after the output. */
+static size_t encode_stream(const uint8_t *s, size_t count, const uint16_t *code, const uint8_t *len,
+                            uint8_t *out) {
+    uint8_t *p = out;
+    uint64_t buf = 0;
+    unsigned nbits = 0;
+    size_t i = 0;
+    for (; i + 4 <= count; i += 4) { /* 4 codes of <= 11 bits fit beside <= 7 pending bits */
+        buf |= (uint64_t)code[s[i]] << nbits;
+        nbits += len[s[i]];
+        buf |= (uint64_t)code[s[i + 1]] << nbits;
+        nbits += len[s[i + 1]];
+        buf |= (uint64_t)code[s[i + 2]] << nbits;
+        nbits += len[s[i + 2]];
+        buf |= (uint64_t)code[s[i + 3]] << nbits;
+        nbits += len[s[i + 3]];
+        store64(p, buf);
+        p += nbits >> 3;
+        buf >>= nbits & ~7u;
+        nbits &= 7;
+    }
+    for (; i < count; i++) {
+        buf |= (uint64_t)code[s[i]] << nbits;
+        nbits += len[s[i]];
+        store64(p, buf);
+        p += nbits >> 3;
+        buf >>= nbits & ~7u;
+        nbits &= 7;
+    }
+    if (nbits) {
+        store64(p, buf);
+        p++;
+    }
+    return (size_t)(p - out);
+}
+
+/* A stream being decoded: its data, its declared length and the symbols it yields. */
+typedef struct {
+    const uint8_t *data;
+    size_t nbytes;
+    uint8_t *out;
+    size_t count;
+} stream_t;
+
+/* Bounds-checked decoder: finishes a stream from bit `pos`, symbol `i`, one symbol per
+ * lookup. Returns 0 if it ends exactly at its declared length with valid codes. */
+static int decode_stream_tail(const stream_t *st, size_t pos, size_t i, const uint32_t *lut,
+                              const uint8_t *buf_end) {
+    unsigned bad = 0;
+    for (; i < st->count; i++) {
+        const uint8_t *p = st->data + (pos >> 3);
+        uint64_t v = (p + 8 <= buf_end) ? load64(p) : load64_tail(p, buf_end);
+        uint32_t e = lut[(v >> (pos & 7)) & (LUT_SIZE - 1)];
+        st->out[i] = LUT_SYM1(e);
+        bad |= LUT_BAD(e);
+        pos += LUT_LEN1(e);
+    }
+    return (bad || (pos + 7) >> 3 != st->nbytes) ? -1 : 0;
+}
+
+/* One table lookup: stores two symbols (the second may be scratch), keeps what is real. */
+#define DEC1(POS, V, OUT)                      \
+    do {                                        \
+        uint32_t e_ = lut[(V) & (LUT_SIZE - 1)]; \
+        store16((OUT), (uint16_t)e_);            \
+        (OUT) += LUT_NSYM(e_);                   \
+        bad |= LUT_BAD(e_);                      \
+        (V) >>= LUT_BITS(e_);                    \
+        (POS) += LUT_BITS(e_);                   \
+    } while (0)
+
+/* Four lookups from one 64-bit load: at least 57 fresh bits, at most 4 x 11 used. */
+#define DEC4(P, POS, OUT)                                         \
+    do {                                                          \
+        uint64_t v_ = load64((P) + ((POS) >> 3)) >> ((POS) & 7); \
+        DEC1(POS, v_, OUT);                                       \
+        DEC1(POS, v_, OUT);                                       \
+        DEC1(POS, v_, OUT);                                       \
+        DEC1(POS, v_, OUT);                                       \
+    } while (0)
+
+/* Decodes four streams together: their dependency chains interleave, which is where
+ * single-stream Huffman decoding loses most of its time. The caller guarantees that
+ * reading count * MAX_CODE_LEN bits plus 8 bytes from each start stays in the buffer;
+ * the outputs need 8 bytes of slack. */
+static int decode_4streams(const stream_t *st, const uint32_t *lut, const uint8_t *buf_end) {
+    const uint8_t *p0 = st[0].data, *p1 = st[1].data, *p2 = st[2].data, *p3 = st[3].data;
+    uint8_t *o0 = st[0].out, *o1 = st[1].out, *o2 = st[2].out, *o3 = st[3].out;
+    size_t q0 = 0, q1 = 0, q2 = 0, q3 = 0;
+    unsigned bad = 0;
+    /* Each round yields at most 8 symbols per stream. */
+    uint8_t *e0 = st[0].out + st[0].count - 8, *e1 = st[1].out + st[1].count - 8;
+    uint8_t *e2 = st[2].out + st[2].count - 8, *e3 = st[3].out + st[3].count - 8;
+    if (st[0].count >= 8)
+        while (o0 <= e0 && o1 <= e1 && o2 <= e2 && o3 <= e3) {
+            DEC4(p0, q0, o0);
+            DEC4(p1, q1, o1);
+            DEC4(p2, q2, o2);
+            DEC4(p3, q3, o3);
+        }
+    if (bad) return -1;
+    return decode_stream_tail(&st[0], q0, (size_t)(o0 - st[0].out), lut, buf_end) |
+           decode_stream_tail(&st[1], q1, (size_t)(o1 - st[1].out), lut, buf_end) |
+           decode_stream_tail(&st[2], q2, (size_t)(o2 - st[2].out), lut, buf_end) |
+           decode_stream_tail(&st[3], q3, (size_t)(o3 - st[3].out), lut, buf_end);
+}
+
+/* ---- planes ---- */
+
+/* Encodes one plane of n symbols (docs/format.md, "Plane"). hist is its exact
+ * histogram, or NULL to store it raw without looking. Returns the bytes written;
+ * out needs 2*n + 1024 bytes. */
+static size_t encode_plane(const uint8_t *syms, size_t n, const uint32_t *hist, size_t substream, uint8_t *out) {
+    if (n == 0 || hist == NULL) goto raw;
+    int used = 0, lo = 255, hi = 0;
+    for (int s = 0; s < 256; s++)
+        if (hist[s]) {
+            used++;
+            if (s < lo) lo = s;
+            hi = s;
+        }
+    if (used == 1) {
+        out[0] = PLANE_CONST;
+        out[1] = (uint8_t)lo;
+        return 2;
+    }
+    uint8_t len[256];
+    build_lengths(hist, len);
+    uint64_t bits = 0;
+    for (int s = lo; s <= hi; s++) bits += (uint64_t)hist[s] * len[s];
+    size_t k = (n + substream - 1) / substream;
+    size_t head = 3 + (size_t)(hi - lo + 2) / 2 + 2 * k;
+    /* + k: each stream pads to a byte. Not worth it unless it beats raw. */
+    if (1 + head + bits / 8 + k >= 1 + n || bits / 8 + k > 0xFFFF) goto raw;
+
+    uint16_t code[256];
+    assign_codes(len, code);
+    out[0] = PLANE_HUFF;
+    out[1] = (uint8_t)lo;
+    out[2] = (uint8_t)(hi - lo);
+    uint8_t *q = out + 3;
+    for (int s = lo; s <= hi; s += 2) *q++ = (uint8_t)(len[s] | ((s + 1 <= hi ? len[s + 1] : 0) << 4));
+    uint8_t *ends = q, *data = q + 2 * k, *p = data;
+    for (size_t j = 0; j < k; j++) {
+        size_t c = (j + 1 < k) ? substream : n - j * substream;
+        p += encode_stream(syms + j * substream, c, code, len, p);
+        if ((size_t)(p - data) > 0xFFFF) goto raw; /* cannot happen given the estimate; stay safe */
+        store16(ends + 2 * j, (uint16_t)(p - data));
+    }
+    if ((size_t)(p - out) < 1 + n) return (size_t)(p - out);
+raw:
+    out[0] = PLANE_RAW;
+    memcpy(out + 1, syms, n);
+    return 1 + n;
+}
+
+/* Decodes one plane of n symbols starting at *pp (bounded by end). On success *pp
+ * moves past the plane and *syms points at the decoded symbols: into the frame itself
+ * for a raw plane, else into scratch (n + 8 bytes). Returns NULL or an error text. */
+static const char *decode_plane(const uint8_t **pp, const uint8_t *end, const uint8_t *buf_end, size_t n,
+                                size_t substream, uint8_t *scratch, uint32_t *lut, const uint8_t **syms) {
+    const uint8_t *p = *pp;
+    if (p >= end) return "plane header runs past the block";
+    int mode = *p++;
+    if (mode == PLANE_RAW) {
+        if ((size_t)(end - p) < n) return "raw plane runs past the block";
+        *syms = p;
+        *pp = p + n;
+        return NULL;
+    }
+    if (mode == PLANE_CONST) {
+        if (p >= end) return "constant plane runs past the block";
+        memset(scratch, *p, n);
+        *syms = scratch;
+        *pp = p + 1;
+        return NULL;
+    }
+    if (mode != PLANE_HUFF) return "unknown plane mode";
+    if (n == 0) return "entropy-coded plane with no symbols";
+    if (end - p < 2) return "Huffman table runs past the block";
+    int lo = p[0], hi = lo + p[1];
+    p += 2;
+    if (hi > 255) return "Huffman symbol range exceeds a byte";
+    size_t nib = (size_t)(hi - lo + 2) / 2;
+    if ((size_t)(end - p) < nib) return "Huffman table runs past the block";
+    uint8_t len[256] = {0};
+    for (int s = lo; s <= hi; s++) {
+        int l = (p[(s - lo) / 2] >> (((s - lo) & 1) * 4)) & 0xF;
+        if (l > MAX_CODE_LEN) return "Huffman code length over the limit";
+        len[s] = (uint8_t)l;
+    }
+    if (((hi - lo) & 1) == 0 && (p[nib - 1] >> 4)) return "Huffman table padding is not zero";
+    p += nib;
+    if (build_lut(len, lut) < 0) return "Huffman code lengths over-subscribe the code space";
+    size_t k = (n + substream - 1) / substream;
+    if ((size_t)(end - p) < 2 * k) return "sub-stream offsets run past the block";
+    const uint8_t *ends = p, *data = p + 2 * k;
+    size_t total = load16(ends + 2 * (k - 1));
+    if ((size_t)(end - data) < total) return "sub-streams run past the block";
+
+    stream_t st[4];
+    size_t j = 0, start = 0;
+    while (j < k) {
+        int group = 0;
+        /* Gather up to four full-length streams for the interleaved decoder. */
+        while (group < 4 && j < k) {
+            size_t stop = load16(ends + 2 * j);
+            if (stop < start) return "sub-stream offsets go backwards";
+            size_t c = (j + 1 < k) ? substream : n - j * substream;
+            st[group].data = data + start;
+            st[group].nbytes = stop - start;
+            st[group].out = scratch + j * substream;
+            st[group].count = c;
+            group++;
+            j++;
+            start = stop;
+            if (c != substream) break;
+        }
+        /* Worst case a corrupt stream reads count * MAX_CODE_LEN bits past its start. */
+        int fast = group == 4 && st[3].count == substream;
+        for (int g = 0; fast && g < 4; g++)
+            fast = st[g].data + (st[g].count * MAX_CODE_LEN + 7) / 8 + 16 <= buf_end;
+        if (fast) {
+            if (decode_4streams(st, lut, buf_end)) return "corrupt Huffman sub-stream";
+        } else {
+            for (int g = 0; g < group; g++)
+                if (decode_stream_tail(&st[g], 0, 0, lut, buf_end)) return "corrupt Huffman sub-stream";
+        }
+    }
+    if (start != total) return "sub-stream offsets disagree with their total";
+    *syms = scratch;
+    *pp = data + total;
+    return NULL;
+}
+
+/* ---- blocks ---- */
+
+typedef struct {
+    int layout, itemsize, nplanes;
+    size_t block_elems, substream;
+} params_t;
+
+/* Per-thread scratch, sized for one block. */
+typedef struct {
+    uint8_t *planes[MAX_PLANES]; /* split planes, block_elems (+8) each */
+    uint8_t *sparse[MAX_PLANES]; /* nonzero elements only */
+    uint8_t *mask;               /* block_elems / 8 */
+    uint8_t *enc[2];             /* two candidate encodings of a block */
+    uint8_t *compact;            /* decoder: merged nonzero elements */
+    uint32_t lut[LUT_SIZE];
+    size_t enc_cap;
+    void *mem;
+} scratch_t;
+
+static int scratch_alloc(scratch_t *s, const params_t *pr) {
+    size_t be = pr->block_elems, P = (size_t)pr->nplanes;
+    size_t plane = be + 64;
+    s->enc_cap = 2 * be * (size_t)pr->itemsize + 4096 + P * 1024;
+    size_t total = 2 * P * plane + (be / 8 + 64) + 2 * s->enc_cap + be * (size_t)pr->itemsize + 64;
+    uint8_t *m = malloc(total);
+    if (!m) return -1;
+    s->mem = m;
+    for (size_t i = 0; i < P; i++, m += plane) s->planes[i] = m;
+    for (size_t i = 0; i < P; i++, m += plane) s->sparse[i] = m;
+    s->mask = m;
+    m += be / 8 + 64;
+    s->enc[0] = m;
+    m += s->enc_cap;
+    s->enc[1] = m;
+    m += s->enc_cap;
+    s->compact = m;
+    return 0;
+}
+
+static void hist_of(const uint8_t *s, size_t n, uint32_t *h) {
+    uint32_t a[2][256];
+    memset(a, 0, sizeof(a));
+    size_t i = 0;
+    for (; i + 2 <= n; i += 2) {
+        a[0][s[i]]++;
+        a[1][s[i + 1]]++;
+    }
+    if (i < n) a[0][s[i]]++;
+    for (int j = 0; j < 256; j++) h[j] = a[0][j] + a[1][j];
+}
+
+/* Whether a plane looks worth a full histogram: a 1-in-16 sample coded with its own
+ * Huffman lengths must save more than 3%. Deterministic, so frames are reproducible. */
+static int plane_worth_coding(const uint8_t *s, size_t n) {
+    if (n < 256) return 1;
+    uint32_t h[256] = {0};
+    size_t m = 0;
+    for (size_t i = 0; i < n; i += 16, m++) h[s[i]]++;
+    int used = 0;
+    for (int j = 0; j < 256; j++) used += h[j] != 0;
+    if (used <= 1) return 1;
+    uint8_t len[256];
+    build_lengths(h, len);
+    uint64_t bits = 0;
+    for (int j = 0; j < 256; j++) bits += (uint64_t)h[j] * len[j];
+    return bits < (uint64_t)(m * 8) * 97 / 100;
+}
+
+/* Encodes the planes of n elements (already split into planes[]); hist0 is plane 0's
+ * full histogram. Returns bytes written to out. */
+static size_t encode_planes(const params_t *pr, uint8_t *const *planes, size_t n, const uint32_t *hist0,
+                            uint8_t *out) {
+    size_t off = 0;
+    for (int j = 0; j < pr->nplanes; j++) {
+        uint32_t h[256];
+        const uint32_t *hp = NULL;
+        if (j == 0) {
+            hp = hist0;
+        } else if (plane_worth_coding(planes[j], n)) {
+            hist_of(planes[j], n, h);
+            hp = h;
+        }
+        off += encode_plane(planes[j], n, hp, pr->substream, out + off);
+    }
+    return off;
+}
+
+/* Encodes one block into s->enc[...] and returns a pointer to the chosen encoding. */
+static const uint8_t *encode_block(const params_t *pr, scratch_t *s, const uint8_t *src, size_t n, size_t *size) {
+    size_t raw_size = 1 + n * (size_t)pr->itemsize;
+    uint32_t hist0[256];
+    uint8_t *planes[MAX_PLANES];
+    memcpy(planes, s->planes, sizeof(planes));
+    split_planes(pr->layout, pr->itemsize, src, n, planes, hist0);
+
+    uint8_t *dense = s->enc[0];
+    dense[0] = BLOCK_DENSE;
+    size_t best_size = 1 + encode_planes(pr, planes, n, hist0, dense + 1);
+    const uint8_t *best = dense;
+
+    /* Zero elements map to zero in every plane, so plane 0's zero count bounds them. */
+    if (hist0[0] >= n / 8 && n >= 64) {
+        size_t nmask = (n + 7) / 8, m = 0;
+        memset(s->mask, 0, nmask);
+        for (size_t i = 0; i < n; i++) {
+            int nz = 0;
+            for (int j = 0; j < pr->nplanes; j++) nz |= planes[j][i];
+            if (nz) {
+                s->mask[i >> 3] |= (uint8_t)(1u << (i & 7));
+                for (int j = 0; j < pr->nplanes; j++) s->sparse[j][m] = planes[j][i];
+                m++;
+            }
+        }
+        uint8_t *sp = s->enc[1];
+        sp[0] = BLOCK_SPARSE;
+        store32(sp + 1, (uint32_t)m);
+        uint32_t hm[256], hs0[256];
+        hist_of(s->mask, nmask, hm);
+        size_t off = 5 + encode_plane(s->mask, nmask, hm, pr->substream, sp + 5);
+        hist_of(s->sparse[0], m, hs0);
+        off += encode_planes(pr, s->sparse, m, hs0, sp + off);
+        if (off < best_size) {
+            best = sp;
+            best_size = off;
+        }
+    }
+    if (best_size >= raw_size) {
+        uint8_t *r = s->enc[1];
+        r[0] = BLOCK_RAW;
+        memcpy(r + 1, src, n * (size_t)pr->itemsize);
+        best = r;
+        best_size = raw_size;
+    }
+    *size = best_size;
+    return best;
+}
+
+/* Decodes one block's payload into dst (n elements). Returns NULL or an error text. */
+static const char *decode_block(const params_t *pr, scratch_t *s, const uint8_t *blk, size_t blk_len, size_t n,
+                                uint8_t *dst, const uint8_t *buf_end) {
+    const uint8_t *p = blk, *end = blk + blk_len;
+    size_t nbytes = n * (size_t)pr->itemsize;
+    if (blk_len < 1) return "empty block payload";
+    int mode = *p++;
+    if (mode == BLOCK_RAW) {
+        if (blk_len != 1 + nbytes) return "raw block has the wrong size";
+        memcpy(dst, p, nbytes);
+        return NULL;
+    }
+    const uint8_t *syms[MAX_PLANES];
+    const char *err;
+    if (mode == BLOCK_DENSE) {
+        for (int j = 0; j < pr->nplanes; j++)
+            if ((err = decode_plane(&p, end, buf_end, n, pr->substream, s->planes[j], s->lut, &syms[j])))
+                return err;
+        if (p != end) return "block has trailing bytes";
+        merge_planes(pr->layout, pr->itemsize, syms, n, dst);
+        return NULL;
+    }
+    if (mode != BLOCK_SPARSE) return "unknown block mode";
+    if (end - p < 4) return "sparse block header runs past the block";
+    size_t m = load32(p), nmask = (n + 7) / 8;
+    p += 4;
+    if (m > n) return "sparse block claims more nonzeros than elements";
+    const uint8_t *mask;
+    if ((err = decode_plane(&p, end, buf_end, nmask, pr->substream, s->mask, s->lut, &mask))) return err;
+    size_t pop = 0;
+    for (size_t i = 0; i < nmask; i++) pop += (size_t)__builtin_popcount(mask[i]);
+    if (n & 7 && (mask[nmask - 1] >> (n & 7))) return "sparse mask padding is not zero";
+    if (pop != m) return "sparse mask disagrees with the nonzero count";
+    for (int j = 0; j < pr->nplanes; j++)
+        if ((err = decode_plane(&p, end, buf_end, m, pr->substream, s->sparse[j], s->lut, &syms[j]))) return err;
+    if (p != end) return "block has trailing bytes";
+    merge_planes(pr->layout, pr->itemsize, syms, m, s->compact);
+    size_t isz = (size_t)pr->itemsize, c = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (mask[i >> 3] >> (i & 7) & 1) {
+            memcpy(dst + i * isz, s->compact + c * isz, isz);
+            c++;
+        } else {
+            memset(dst + i * isz, 0, isz);
+        }
+    }
+    return NULL;
+}
+
+/* ---- the thread fan-out ---- */
+
+typedef struct {
+    params_t pr;
+    size_t numel, nblocks;
+    /* compress */
+    const uint8_t *src;
+    uint8_t *table, *payload;
+    size_t payload_cap, written;
+    /* decompress */
+    const uint8_t *frame_payload, *buf_end;
+    const size_t *offsets;
+    uint8_t *dst;
+    /* shared */
+    size_t next_block;     /* atomically claimed work */
+    size_t next_to_write;  /* compress: blocks are appended in order */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    const char *err;
+    size_t err_block;
+} job_t;
+
+static void job_fail(job_t *j, size_t b, const char *msg) {
+    pthread_mutex_lock(&j->mu);
+    if (!j->err || b < j->err_block) {
+        j->err = msg;
+        j->err_block = b;
+    }
+    pthread_cond_broadcast(&j->cv);
+    pthread_mutex_unlock(&j->mu);
+}
+
+static void *compress_worker(void *arg) {
+    job_t *j = arg;
+    scratch_t s;
+    if (scratch_alloc(&s, &j->pr)) {
+        job_fail(j, 0, "out of memory for codec scratch");
+        return NULL;
+    }
+    for (;;) {
+        size_t b = __atomic_fetch_add(&j->next_block, 1, __ATOMIC_RELAXED);
+        if (b >= j->nblocks) break;
+        size_t first = b * j->pr.block_elems;
+        size_t n = j->numel - first < j->pr.block_elems ? j->numel - first : j->pr.block_elems;
+        const uint8_t *src = j->src + first * (size_t)j->pr.itemsize;
+        size_t size;
+        const uint8_t *enc = encode_block(&j->pr, &s, src, n, &size);
+        uint32_t crc_orig = crc32c(0, src, n * (size_t)j->pr.itemsize);
+        uint32_t crc_enc = crc32c(0, enc, size);
+        /* Blocks are claimed in order, so waiting for our turn is short. */
+        pthread_mutex_lock(&j->mu);
+        while (j->next_to_write != b && !j->err) pthread_cond_wait(&j->cv, &j->mu);
+        if (j->err) {
+            pthread_mutex_unlock(&j->mu);
+            break;
+        }
+        size_t at = j->written;
+        pthread_mutex_unlock(&j->mu);
+        if (size > j->payload_cap - at) {
+            job_fail(j, b, "output buffer too small (size it with max_compressed_size)");
+            break;
+        }
+        memcpy(j->payload + at, enc, size);
+        store32(j->table + TABLE_ENTRY_BYTES * b, (uint32_t)size);
+        store32(j->table + TABLE_ENTRY_BYTES * b + 4, crc_orig);
+        store32(j->table + TABLE_ENTRY_BYTES * b + 8, crc_enc);
+        pthread_mutex_lock(&j->mu);
+        j->written = at + size;
+        j->next_to_write = b + 1;
+        pthread_cond_broadcast(&j->cv);
+        pthread_mutex_unlock(&j->mu);
+    }
+    free(s.mem);
+    return NULL;
+}
+
+static void *decompress_worker(void *arg) {
+    job_t *j = arg;
+    scratch_t s;
+    if (scratch_alloc(&s, &j->pr)) {
+        job_fail(j, 0, "out of memory for codec scratch");
+        return NULL;
+    }
+    for (;;) {
+        size_t b = __atomic_fetch_add(&j->next_block, 1, __ATOMIC_RELAXED);
+        if (b >= j->nblocks || __atomic_load_n(&j->err, __ATOMIC_RELAXED)) break;
+        size_t first = b * j->pr.block_elems;
+        size_t n = j->numel - first < j->pr.block_elems ? j->numel - first : j->pr.block_elems;
+        const uint8_t *entry = j->table + TABLE_ENTRY_BYTES * b;
+        const uint8_t *blk = j->frame_payload + j->offsets[b];
+        size_t blk_len = load32(entry);
+        if (crc32c(0, blk, blk_len) != load32(entry + 8)) {
+            job_fail(j, b, "block checksum mismatch (payload corrupted)");
+            break;
+        }
+        uint8_t *dst = j->dst + first * (size_t)j->pr.itemsize;
+        const char *err = decode_block(&j->pr, &s, blk, blk_len, n, dst, j->buf_end);
+        if (!err && crc32c(0, dst, n * (size_t)j->pr.itemsize) != load32(entry + 4))
+            err = "decoded block checksum mismatch";
+        if (err) {
+            job_fail(j, b, err);
+            break;
+        }
+    }
+    free(s.mem);
+    return NULL;
+}
+
+/* Runs fn on min(nthreads, nblocks) threads, the calling one included. */
+static void run_job(job_t *j, void *(*fn)(void *), int nthreads) {
+    pthread_mutex_init(&j->mu, NULL);
+    pthread_cond_init(&j->cv, NULL);
+    size_t nt = nthreads < 1 ? 1 : (size_t)nthreads;
+    if (nt > j->nblocks) nt = j->nblocks ? j->nblocks : 1;
+    if (nt > 256) nt = 256;
+    pthread_t tids[256];
+    size_t started = 0;
+    for (size_t i = 1; i < nt; i++, started++)
+        if (pthread_create(&tids[started], NULL, fn, j)) break;
+    fn(j);
+    for (size_t i = 0; i < started; i++) pthread_join(tids[i], NULL);
+    pthread_cond_destroy(&j->cv);
+    pthread_mutex_destroy(&j->mu);
+}
+
+/* ---- Python bindings: thin, the Python layer validates arguments ---- */
+
+static int parse_params(params_t *pr, int layout, int itemsize, Py_ssize_t block_elems, Py_ssize_t substream) {
+    if (layout < LAYOUT_BYTES || layout > LAYOUT_FP32 || itemsize < 1 || itemsize > MAX_PLANES ||
+        (layout == LAYOUT_BF16 && itemsize != 2) || (layout == LAYOUT_FP32 && itemsize != 4) || block_elems < 64 ||
+        (size_t)block_elems > MAX_BLOCK_ELEMS || substream < 64 || substream > block_elems) {
+        PyErr_SetString(PyExc_ValueError, "invalid codec parameters");
+        return -1;
+    }
+    pr->layout = layout;
+    pr->itemsize = itemsize;
+    pr->nplanes = num_planes(layout, itemsize);
+    pr->block_elems = (size_t)block_elems;
+    pr->substream = (size_t)substream;
+    return 0;
+}
+
+PyDoc_STRVAR(compress_blocks_doc,
+             "compress_blocks(src, layout, itemsize, numel, block_elems, substream_elems, dst, table_offset,\n"
+             "                payload_offset, nthreads) -> int\n\n"
+             "Encodes every block of src into dst: table entries at table_offset, payloads back to back\n"
+             "from payload_offset. Returns the end offset of the last payload.");
+
+static PyObject *py_compress_blocks(PyObject *self, PyObject *args) {
+    Py_buffer src, dst;
+    int layout, itemsize, nthreads;
+    Py_ssize_t numel, block_elems, substream, table_off, payload_off;
+    if (!PyArg_ParseTuple(args, "y*iinnnw*nni", &src, &layout, &itemsize, &numel, &block_elems, &substream, &dst,
+                          &table_off, &payload_off, &nthreads))
+        return NULL;
+    PyObject *result = NULL;
+    job_t j;
+    memset(&j, 0, sizeof(j));
+    if (parse_params(&j.pr, layout, itemsize, block_elems, substream)) goto done;
+    j.numel = (size_t)numel;
+    j.nblocks = (j.numel + j.pr.block_elems - 1) / j.pr.block_elems;
+    if (numel < 0 || (size_t)src.len != j.numel * (size_t)itemsize || table_off < 0 || payload_off < 0 ||
+        (size_t)table_off + TABLE_ENTRY_BYTES * j.nblocks > (size_t)dst.len || payload_off > dst.len) {
+        PyErr_SetString(PyExc_ValueError, "source or destination buffer has the wrong size");
+        goto done;
+    }
+    j.src = src.buf;
+    j.table = (uint8_t *)dst.buf + table_off;
+    j.payload = (uint8_t *)dst.buf + payload_off;
+    j.payload_cap = (size_t)(dst.len - payload_off);
+    Py_BEGIN_ALLOW_THREADS run_job(&j, compress_worker, nthreads);
+    Py_END_ALLOW_THREADS if (j.err) {
+        PyErr_Format(PyExc_ValueError, "block %zu: %s", j.err_block, j.err);
+        goto done;
+    }
+    result = PyLong_FromSsize_t(payload_off + (Py_ssize_t)j.written);
+done:
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    return result;
+}
+
+PyDoc_STRVAR(decompress_blocks_doc,
+             "decompress_blocks(frame, layout, itemsize, numel, block_elems, substream_elems, table_offset,\n"
+             "                  payload_offset, dst, nthreads) -> str | None\n\n"
+             "Validates the block table against the frame, then decodes every block into dst.\n"
+             "Returns None on success, or a message describing the first corrupt block.");
+
+static PyObject *py_decompress_blocks(PyObject *self, PyObject *args) {
+    Py_buffer frame, dst;
+    int layout, itemsize, nthreads;
+    Py_ssize_t numel, block_elems, substream, table_off, payload_off;
+    if (!PyArg_ParseTuple(args, "y*iinnnnnw*i", &frame, &layout, &itemsize, &numel, &block_elems, &substream,
+                          &table_off, &payload_off, &dst, &nthreads))
+        return NULL;
+    PyObject *result = NULL;
+    size_t *offsets = NULL;
+    char msg[160];
+    job_t j;
+    memset(&j, 0, sizeof(j));
+    if (parse_params(&j.pr, layout, itemsize, block_elems, substream)) goto done;
+    j.numel = (size_t)numel;
+    j.nblocks = (j.numel + j.pr.block_elems - 1) / j.pr.block_elems;
+    if (numel < 0 || (size_t)dst.len != j.numel * (size_t)itemsize || table_off < 0 || payload_off < table_off ||
+        (size_t)table_off + TABLE_ENTRY_BYTES * j.nblocks > (size_t)payload_off || payload_off > frame.len) {
+        PyErr_SetString(PyExc_ValueError, "frame or destination buffer has the wrong size");
+        goto done;
+    }
+    const uint8_t *base = frame.buf;
+    j.table = (uint8_t *)base + table_off;
+    j.frame_payload = base + payload_off;
+    j.buf_end = base + frame.len;
+    j.dst = dst.buf;
+    offsets = malloc((j.nblocks + 1) * sizeof(size_t));
+    if (!offsets) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    size_t at = 0, avail = (size_t)(frame.len - payload_off);
+    for (size_t b = 0; b < j.nblocks; b++) {
+        size_t len = load32(j.table + TABLE_ENTRY_BYTES * b);
+        if (len > avail - at) {
+            snprintf(msg, sizeof msg, "block %zu: payload runs past the end of the frame", b);
+            result = PyUnicode_FromString(msg);
+            goto done;
+        }
+        offsets[b] = at;
+        at += len;
+    }
+    if (at != avail) {
+        snprintf(msg, sizeof msg, "block payloads cover %zu bytes but the frame holds %zu", at, avail);
+        result = PyUnicode_FromString(msg);
+        goto done;
+    }
+    j.offsets = offsets;
+    Py_BEGIN_ALLOW_THREADS run_job(&j, decompress_worker, nthreads);
+    Py_END_ALLOW_THREADS if (j.err) {
+        snprintf(msg, sizeof msg, "block %zu: %s", j.err_block, j.err);
+        result = PyUnicode_FromString(msg);
+        goto done;
+    }
+    result = Py_NewRef(Py_None);
+done:
+    free(offsets);
+    PyBuffer_Release(&frame);
+    PyBuffer_Release(&dst);
+    return result;
+}
+
+static PyObject *py_crc32c(PyObject *self, PyObject *args) {
+    Py_buffer b;
+    unsigned int init = 0;
+    if (!PyArg_ParseTuple(args, "y*|I", &b, &init)) return NULL;
+    uint32_t c;
+    Py_BEGIN_ALLOW_THREADS c = crc32c(init, b.buf, (size_t)b.len);
+    Py_END_ALLOW_THREADS PyBuffer_Release(&b);
+    return PyLong_FromUnsignedLong(c);
+}
+
+static PyMethodDef methods[] = {
+    {"compress_blocks", py_compress_blocks, METH_VARARGS, compress_blocks_doc},
+    {"decompress_blocks", py_decompress_blocks, METH_VARARGS, decompress_blocks_doc},
+    {"crc32c", py_crc32c, METH_VARARGS, "crc32c(data, init=0) -> int: CRC32C (Castagnoli) of a buffer."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cpu_codec",
+                                    "C implementation of the uzip block codec (see docs/format.md).", -1, methods};
+
+PyMODINIT_FUNC PyInit__cpu_codec(void) {
+    crc_init_tables();
+    crc_init_combine();
+#if defined(__x86_64__) && defined(__GNUC__)
+    __builtin_cpu_init();
+    have_sse42 = __builtin_cpu_supports("sse4.2");
+#endif
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    PyModule_AddIntConstant(m, "MAX_CODE_LEN", MAX_CODE_LEN);
+    PyModule_AddIntConstant(m, "TABLE_ENTRY_BYTES", TABLE_ENTRY_BYTES);
+    PyModule_AddIntConstant(m, "MAX_BLOCK_ELEMS", MAX_BLOCK_ELEMS);
+    return m;
+}
