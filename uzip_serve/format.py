@@ -81,6 +81,7 @@ _DTYPES = [
     DType(19, "float8_e5m2fnuz", 1, LAYOUT_BYTES),
     DType(20, "float8_e8m0fnu", 1, LAYOUT_BYTES),
     DType(21, "complex32", 4, LAYOUT_BYTES),
+    DType(22, "float4_e2m1fn_x2", 1, LAYOUT_BYTES),  # two fp4 values per byte
 ]
 DTYPES_BY_CODE = {d.code: d for d in _DTYPES}
 DTYPES_BY_NAME = {d.name: d for d in _DTYPES}

