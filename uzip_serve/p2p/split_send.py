@@ -1,0 +1,288 @@
+"""The split-send pipeline: chunk k+1 is compressed while chunk k is on the wire, and
+the receiver decompresses each chunk into its destination tensor as it arrives.
+
+Transport-agnostic: it talks to a Channel (exact-size send/recv of buffers), so the
+UCX endpoint and tests can both drive it. The codec runs on executor threads (the C
+codec releases the GIL), which keeps the event loop free to progress the transport.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from concurrent.futures import Executor
+from typing import Any, Protocol
+
+import torch
+
+import uzip_serve as uz
+from uzip_serve.codec import default_threads
+from uzip_serve import format as fmt
+from uzip_serve.kernels import get_backend
+from uzip_serve.p2p import protocol as proto
+from uzip_serve.p2p.adaptive import AdaptivePolicy, TransferStats
+from uzip_serve.p2p.config import TransportConfig
+from uzip_serve.p2p.errors import ChecksumError, ProtocolError
+
+logger = logging.getLogger(__name__)
+
+# How much of a chunk is compressed to estimate its ratio before deciding (one block).
+PROBE_BYTES = 128 << 10
+
+
+class Channel(Protocol):
+    """Ordered, exact-size message transport (one UCX endpoint)."""
+
+    async def send(self, buf) -> None: ...
+
+    async def recv(self, buf) -> None: ...
+
+
+# ---- tensors <-> bytes --------------------------------------------------------------------
+
+def as_tensor(value: Any) -> torch.Tensor:
+    """torch tensors as they are; numpy arrays and CuPy arrays (via __cuda_array_interface__)
+    wrapped without copying."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if hasattr(value, "__cuda_array_interface__"):
+        return torch.as_tensor(value, device="cuda")
+    import numpy as np
+
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value)
+    raise TypeError(f"cannot send a {type(value).__name__}; expected a torch tensor, numpy or CuPy array")
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat uint8 tensor sharing its memory (bf16 included)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _host_view(t: torch.Tensor):
+    """A numpy view for UCX: CPU memory is passed by pointer, zero copy."""
+    return t.numpy()
+
+
+def named_items(tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> list[tuple[str, torch.Tensor]]:
+    items = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
+    out, seen = [], set()
+    for name, value in items:
+        if not isinstance(name, str):
+            raise TypeError(f"tensor names must be str, got {type(name).__name__}")
+        if name in seen:
+            raise ValueError(f"tensor {name!r} is listed twice")
+        seen.add(name)
+        t = as_tensor(value)
+        out.append((name, t if t.is_contiguous() else t.contiguous()))
+    return out
+
+
+def _chunk_bytes(chunk: proto.Chunk, flats: list[torch.Tensor]) -> torch.Tensor:
+    """A chunk's raw bytes on the host: a view for a slice of one tensor, a copy for a batch."""
+    parts = [flats[p.tensor][p.start:p.start + p.nbytes] for p in chunk.pieces]
+    data = parts[0] if len(parts) == 1 else torch.cat([p.cpu() for p in parts])
+    return data.cpu()  # a no-op for host tensors; stages a CUDA slice until a GPU codec exists
+
+
+def _typed(data: torch.Tensor, dtype: str) -> torch.Tensor:
+    """Reinterprets raw bytes as the chunk's dtype so the codec sees the real element layout."""
+    itemsize = fmt.dtype_by_name(dtype).itemsize
+    if data.numel() % itemsize:
+        return data
+    return data.view(getattr(torch, dtype))
+
+
+# ---- send ---------------------------------------------------------------------------------
+
+class _Encoded:
+    __slots__ = ("header", "payload", "decision")
+
+    def __init__(self, header, payload, decision):
+        self.header, self.payload, self.decision = header, payload, decision
+
+
+async def send_tensors(channel: Channel, tensors, *, config: TransportConfig, policy: AdaptivePolicy,
+                       executor: Executor, transfer_id: int = 0) -> TransferStats:
+    """Sends named tensors as one transfer. Returns when the last chunk left."""
+    loop = asyncio.get_running_loop()
+    items = named_items(tensors)
+    entries = [proto.TensorEntry(n, str(t.dtype).removeprefix("torch."), tuple(t.shape), t.numel() * t.element_size())
+               for n, t in items]
+    chunks = proto.plan_chunks(entries, config.chunk_bytes)
+    flats = [_flat_bytes(t) for _, t in items]
+    manifest = proto.encode_manifest(entries)
+    stats = TransferStats(raw_bytes=sum(e.nbytes for e in entries), chunks=len(chunks))
+    threads = config.codec_threads or default_threads()
+    crc32c = get_backend("cpu").crc32c
+    cap = fmt.max_compressed_size(config.chunk_bytes, "uint8")
+    staging = [bytearray(cap) for _ in range(2 if config.pipeline else max(1, len(chunks)))]
+
+    def encode(k: int) -> _Encoded:
+        chunk = chunks[k]
+        data = _chunk_bytes(chunk, flats)
+        typed = _typed(data, chunk.dtype)
+        probe = None
+        if policy.mode == "auto" and data.numel() >= policy.MIN_BYTES:
+            sample = typed[: PROBE_BYTES // typed.element_size()]
+            probe = len(uz.compress(sample, threads=1)) / sample.nbytes
+        decision = policy.decide(data.numel(), probe)
+        if decision.compress:
+            buf = staging[k % len(staging)]
+            t0 = time.perf_counter()
+            n = uz.compress_into(typed, buf, threads=threads)
+            policy.observe_compress(data.numel(), time.perf_counter() - t0)
+            header = proto.ChunkHeader(k, proto.CODEC_UZIP, data.numel(), n)
+            return _Encoded(header, memoryview(buf)[:n], decision)
+        header = proto.ChunkHeader(k, proto.CODEC_RAW, data.numel(), data.numel(), crc32c(_host_view(data)))
+        return _Encoded(header, _host_view(data), decision)
+
+    t_start = time.perf_counter()
+    await channel.send(proto.TransferHeader(len(manifest), len(chunks), config.chunk_bytes, transfer_id).pack())
+    if manifest:
+        await channel.send(manifest)
+    if config.pipeline:
+        pending = loop.run_in_executor(executor, encode, 0) if chunks else None
+        for k in range(len(chunks)):
+            enc = await pending
+            if k + 1 < len(chunks):  # compress the next chunk while this one is on the wire
+                pending = loop.run_in_executor(executor, encode, k + 1)
+            await _send_chunk(channel, enc, policy, stats)
+    else:
+        encoded = [await loop.run_in_executor(executor, encode, k) for k in range(len(chunks))]
+        for enc in encoded:
+            await _send_chunk(channel, enc, policy, stats)
+    ack = bytearray(proto.ACK.size)
+    await channel.recv(ack)
+    status, _ = proto.ACK.unpack(ack)
+    if status == proto.ACK_CHECKSUM:
+        raise ChecksumError("the receiver rejected a chunk: checksum mismatch or undecodable frame")
+    if status != proto.ACK_OK:
+        raise ProtocolError(f"the receiver rejected the transfer (status {status})")
+    stats.seconds = time.perf_counter() - t_start
+    logger.debug("sent %d tensors, %d chunks (%d compressed): %.1f MB raw, %.1f MB on the wire, %.3f s",
+                 len(entries), stats.chunks, stats.chunks_compressed, stats.raw_bytes / 1e6, stats.wire_bytes / 1e6,
+                 stats.seconds)
+    return stats
+
+
+async def _send_chunk(channel: Channel, enc: _Encoded, policy: AdaptivePolicy, stats: TransferStats) -> None:
+    await channel.send(enc.header.pack())
+    t0 = time.perf_counter()
+    await channel.send(enc.payload)
+    policy.observe_link(enc.header.wire_nbytes, time.perf_counter() - t0)
+    stats.wire_bytes += enc.header.wire_nbytes
+    stats.chunks_compressed += enc.header.codec == proto.CODEC_UZIP
+    stats.decisions.append(enc.decision)
+    logger.debug("chunk %d: %s (%s)", enc.header.index, "compressed" if enc.decision.compress else "raw",
+                 enc.decision.reason)
+
+
+# ---- receive ------------------------------------------------------------------------------
+
+def _check_into(into: Mapping[str, torch.Tensor], entries: list[proto.TensorEntry]) -> None:
+    for e in entries:
+        t = into.get(e.name)
+        if t is None:
+            raise ProtocolError(f"peer sent tensor {e.name!r}, which the destination does not have")
+        if str(t.dtype).removeprefix("torch.") != e.dtype or tuple(t.shape) != e.shape or not t.is_contiguous():
+            raise ProtocolError(f"tensor {e.name!r}: peer sent {e.dtype} {e.shape}, destination is "
+                                f"{t.dtype} {tuple(t.shape)}{'' if t.is_contiguous() else ' (not contiguous)'}")
+
+
+async def recv_tensors(channel: Channel, *, config: TransportConfig, executor: Executor,
+                       into: Mapping[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], TransferStats]:
+    """Receives one transfer. Tensors are returned only once every chunk arrived and
+    passed its checksum; on any failure nothing is returned (an `into` tensor may then
+    hold partial data) and the sender is told why, where the connection still allows."""
+    try:
+        result = await _recv_tensors(channel, config, executor, into)
+    except (ChecksumError, ProtocolError) as e:
+        status = proto.ACK_CHECKSUM if isinstance(e, ChecksumError) else proto.ACK_PROTOCOL
+        try:
+            await channel.send(proto.ACK.pack(status, 0))
+        except Exception:  # noqa: BLE001 - best effort; the original error is what matters
+            pass
+        raise
+    await channel.send(proto.ACK.pack(proto.ACK_OK, 0))
+    return result
+
+
+async def _recv_tensors(channel, config, executor, into):
+    loop = asyncio.get_running_loop()
+    t_start = time.perf_counter()
+    head = bytearray(proto.TRANSFER_HEADER.size)
+    await channel.recv(head)
+    header = proto.TransferHeader.unpack(head, max_manifest_bytes=config.max_manifest_bytes)
+    manifest = bytearray(header.manifest_nbytes)
+    if manifest:
+        await channel.recv(manifest)
+    entries = proto.decode_manifest(manifest, max_tensors=config.max_tensors) if manifest else []
+    chunks = proto.plan_chunks(entries, header.chunk_bytes)
+    if len(chunks) != header.num_chunks:
+        raise ProtocolError(f"peer announced {header.num_chunks} chunks, its manifest makes {len(chunks)}")
+    if into is not None:
+        _check_into(into, entries)
+        outputs = {e.name: into[e.name] for e in entries}
+    else:
+        outputs = {e.name: torch.empty(e.shape, dtype=getattr(torch, e.dtype)) for e in entries}
+    flats = [_flat_bytes(outputs[e.name]) for e in entries]
+    stats = TransferStats(raw_bytes=sum(e.nbytes for e in entries), chunks=len(chunks))
+    threads = config.codec_threads or default_threads()
+    crc32c = get_backend("cpu").crc32c
+    cap = fmt.max_compressed_size(header.chunk_bytes, "uint8")
+    staging = [bytearray(cap), bytearray(cap)]
+    pending: list[asyncio.Future | None] = [None, None]
+
+    def finish(k: int, ch: proto.ChunkHeader, payload) -> None:
+        """Decodes or verifies chunk k and scatters it into the destination tensors."""
+        chunk = chunks[k]
+        if ch.codec == proto.CODEC_UZIP:
+            try:
+                data = uz.decompress(payload, threads=threads)
+            except uz.FrameError as e:
+                raise ChecksumError(f"chunk {k}: {e}") from None
+            data = data.reshape(-1).view(torch.uint8)
+            if data.numel() != chunk.nbytes:
+                raise ProtocolError(f"chunk {k}: frame holds {data.numel()} bytes, plan says {chunk.nbytes}")
+        else:
+            data = torch.frombuffer(payload, dtype=torch.uint8) if len(payload) else torch.empty(0, dtype=torch.uint8)
+            if crc32c(payload) != ch.crc32c:
+                raise ChecksumError(f"chunk {k}: checksum mismatch")
+        at = 0
+        for p in chunk.pieces:
+            dst = flats[p.tensor][p.start:p.start + p.nbytes]
+            if dst.data_ptr() != data[at:at + p.nbytes].data_ptr():  # a raw chunk received in place needs no copy
+                dst.copy_(data[at:at + p.nbytes])
+            at += p.nbytes
+
+    for k, chunk in enumerate(chunks):
+        hb = bytearray(proto.CHUNK_HEADER.size)
+        await channel.recv(hb)
+        ch = proto.ChunkHeader.unpack(hb)
+        if ch.index != k or ch.raw_nbytes != chunk.nbytes:
+            raise ProtocolError(f"chunk {ch.index} ({ch.raw_nbytes} bytes) arrived where chunk {k} "
+                                f"({chunk.nbytes} bytes) was due")
+        if (ch.codec == proto.CODEC_RAW and ch.wire_nbytes != ch.raw_nbytes) or ch.wire_nbytes > cap:
+            raise ProtocolError(f"chunk {k}: {ch.wire_nbytes} wire bytes for {ch.raw_nbytes} raw bytes")
+        slot = k % 2
+        if pending[slot] is not None:  # this staging buffer is still being decoded
+            await pending[slot]
+            pending[slot] = None
+        single = len(chunk.pieces) == 1 and flats[chunk.pieces[0].tensor].device.type == "cpu"
+        if ch.codec == proto.CODEC_RAW and single:
+            p = chunk.pieces[0]
+            payload = _host_view(flats[p.tensor][p.start:p.start + p.nbytes])  # straight into the destination
+        else:
+            payload = memoryview(staging[slot])[: ch.wire_nbytes]
+        await channel.recv(payload)
+        stats.wire_bytes += ch.wire_nbytes
+        stats.chunks_compressed += ch.codec == proto.CODEC_UZIP
+        pending[slot] = loop.run_in_executor(executor, finish, k, ch, payload)
+    for fut in pending:
+        if fut is not None:
+            await fut
+    stats.seconds = time.perf_counter() - t_start
+    return outputs, stats

@@ -1,0 +1,89 @@
+"""Synchronous facade for callers on plain threads: the async API, run on one
+background event loop per process (UCX progress happens there)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from uzip_serve.p2p import ucx
+from uzip_serve.p2p.config import TransportConfig
+
+_loop: asyncio.AbstractEventLoop | None = None
+_lock = threading.Lock()
+
+
+def _background_loop() -> asyncio.AbstractEventLoop:
+    global _loop
+    with _lock:
+        if _loop is None:
+            _loop = asyncio.new_event_loop()
+            threading.Thread(target=_loop.run_forever, name="uzip-p2p-loop", daemon=True).start()
+        return _loop
+
+
+def run(coro, timeout: float | None = None):
+    """Runs a coroutine on the background loop and waits for its result."""
+    return asyncio.run_coroutine_threadsafe(coro, _background_loop()).result(timeout)
+
+
+class SyncEndpoint:
+    def __init__(self, ep: ucx.Endpoint):
+        self._ep = ep
+
+    @property
+    def last_stats(self):
+        return self._ep.last_stats
+
+    @property
+    def policy(self):
+        return self._ep.policy
+
+    def send_tensors(self, tensors):
+        return run(self._ep.send_tensors(tensors))
+
+    def recv_tensors(self, into=None):
+        return run(self._ep.recv_tensors(into))
+
+    def send_bytes(self, data: bytes) -> None:
+        run(self._ep.send_bytes(data))
+
+    def recv_bytes(self, limit: int = 64 << 20) -> bytes:
+        return run(self._ep.recv_bytes(limit))
+
+    def abort(self) -> None:
+        _background_loop().call_soon_threadsafe(self._ep.abort)
+
+    def close(self) -> None:
+        run(self._ep.close())
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class SyncListener:
+    def __init__(self, port: int = 0, config: TransportConfig | None = None):
+        self._lst = run(ucx.listen(port, config))
+
+    @property
+    def port(self) -> int:
+        return self._lst.port
+
+    def accept(self, timeout: float | None = None) -> SyncEndpoint:
+        return SyncEndpoint(run(self._lst.accept(timeout)))
+
+    def close(self) -> None:
+        _background_loop().call_soon_threadsafe(self._lst.close)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def connect(host: str, port: int, config: TransportConfig | None = None) -> SyncEndpoint:
+    return SyncEndpoint(run(ucx.connect(host, port, config)))

@@ -1,0 +1,225 @@
+"""UCX endpoints and listeners (through `ucxx`), carrying the split-send pipeline.
+
+Asynchronous API first::
+
+    listener = await p2p.listen(port=0)              # in the receiving process
+    ep = await listener.accept()
+    tensors = await ep.recv_tensors()
+
+    ep = await p2p.connect(host, listener.port)      # in the sending process
+    stats = await ep.send_tensors({"w": weight})
+    await ep.close()
+
+Every operation is bounded by TransportConfig.deadline_s; a dead or stuck peer
+surfaces as PeerError or TransferTimeout, never as a hang. UCX and its settings are
+process-wide: the first endpoint or listener starts UCX with its config.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+
+from uzip_serve.p2p import split_send
+from uzip_serve.p2p.adaptive import AdaptivePolicy, TransferStats
+from uzip_serve.p2p.config import TransportConfig
+from uzip_serve.p2p.errors import ChecksumError, PeerError, ProtocolError, TransferError, TransferTimeout
+
+logger = logging.getLogger(__name__)
+
+_started_with: TransportConfig | None = None
+_ids = itertools.count(1)
+
+
+def _ucxx():
+    try:
+        import ucxx
+    except ImportError as e:
+        raise ImportError("uzip_serve.p2p needs ucxx: pip install 'uzip-serve[p2p]' (ucxx-cu12 or ucxx-cu13)") from e
+    return ucxx
+
+
+def start_ucx(config: TransportConfig) -> None:
+    """Starts UCX for this process with `config`'s transports and progress mode (once)."""
+    global _started_with
+    if _started_with is not None:
+        if (_started_with.ucx_tls, _started_with.progress_mode) != (config.ucx_tls, config.progress_mode):
+            logger.warning("UCX already started with tls=%s progress=%s; ignoring tls=%s progress=%s",
+                           _started_with.ucx_tls, _started_with.progress_mode, config.ucx_tls, config.progress_mode)
+        return
+    # ucxx sets UCX variables of its own that this UCX build does not know; quiet that.
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    ucxx = _ucxx()
+    # The environment wins if the user set UCX_TLS themselves (e.g. for RDMA).
+    ucxx.init(options={"TLS": config.ucx_tls}, env_takes_precedence=True, progress_mode=config.progress_mode)
+    _started_with = config
+    logger.info("UCX started: tls=%s progress=%s", os.environ.get("UCX_TLS", config.ucx_tls), config.progress_mode)
+
+
+def _translate(exc: BaseException, what: str) -> TransferError:
+    import ucxx.exceptions as ux
+
+    if isinstance(exc, TransferError):
+        return exc
+    if isinstance(exc, asyncio.TimeoutError):
+        return TransferTimeout(f"{what}: no progress within the deadline")
+    if isinstance(exc, (ux.UCXConnectionResetError, ux.UCXCloseError, ux.UCXCanceledError, ux.UCXCanceled,
+                        ux.UCXEndpointTimeoutError, ux.UCXNotConnectedError, ux.UCXUnreachableError)):
+        return PeerError(f"{what}: peer unreachable or gone ({type(exc).__name__}: {exc})")
+    if isinstance(exc, ux.UCXMessageTruncatedError):
+        return ProtocolError(f"{what}: message larger than announced ({exc})")
+    if isinstance(exc, ux.UCXError):
+        return PeerError(f"{what}: {type(exc).__name__}: {exc}")
+    raise exc
+
+
+class Endpoint:
+    """One connection to a peer. Not safe for concurrent transfers in the same direction."""
+
+    def __init__(self, ucx_ep, config: TransportConfig):
+        self._ep = ucx_ep
+        self.config = config
+        self.policy = AdaptivePolicy(config.compression)
+        self.last_stats: TransferStats | None = None
+        # Codec work runs here so the event loop keeps progressing UCX meanwhile.
+        self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="uzip-codec")
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _abort_quietly, ucx_ep, self._executor)
+
+    # -- the Channel used by split_send: exact-size messages under a deadline --
+    async def send(self, buf) -> None:
+        self._check_open()
+        try:
+            await asyncio.wait_for(self._ep.send(buf), self.config.deadline_s)
+        except Exception as e:  # noqa: BLE001 - translated into a typed error or re-raised
+            raise _translate(e, "send") from e
+
+    async def recv(self, buf) -> None:
+        self._check_open()
+        try:
+            await asyncio.wait_for(self._ep.recv(buf), self.config.deadline_s)
+        except Exception as e:  # noqa: BLE001
+            raise _translate(e, "recv") from e
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise PeerError("endpoint is closed")
+
+    # -- transfers --
+    async def send_tensors(self, tensors) -> TransferStats:
+        """Sends a mapping (or iterable of (name, tensor)) as one transfer."""
+        try:
+            self.last_stats = await split_send.send_tensors(self, tensors, config=self.config, policy=self.policy,
+                                                            executor=self._executor, transfer_id=next(_ids))
+            return self.last_stats
+        except TransferError:
+            self.abort()
+            raise
+
+    async def recv_tensors(self, into=None) -> dict:
+        """Receives one transfer: a new dict of tensors, or written into `into`'s tensors."""
+        try:
+            out, self.last_stats = await split_send.recv_tensors(self, config=self.config, executor=self._executor,
+                                                                 into=into)
+            return out
+        except (TransferError, ChecksumError):
+            self.abort()
+            raise
+
+    async def send_bytes(self, data: bytes) -> None:
+        """A small control message: its length, then its bytes."""
+        await self.send(len(data).to_bytes(8, "little"))
+        if data:
+            await self.send(data)
+
+    async def recv_bytes(self, limit: int = 64 << 20) -> bytes:
+        n = bytearray(8)
+        await self.recv(n)
+        size = int.from_bytes(n, "little")
+        if size > limit:
+            raise ProtocolError(f"control message of {size} bytes exceeds the limit {limit}")
+        buf = bytearray(size)
+        if size:
+            await self.recv(buf)
+        return bytes(buf)
+
+    # -- shutdown --
+    def abort(self) -> None:
+        """Closes at once, dropping anything in flight. Safe to call twice."""
+        if not self._closed:
+            self._closed = True
+            self._finalizer()
+
+    async def close(self) -> None:
+        """Closes after what was sent has been delivered."""
+        if self._closed:
+            return
+        self._closed = True
+        self._finalizer.detach()
+        try:
+            await asyncio.wait_for(self._ep.close(), self.config.deadline_s)
+        except Exception:  # noqa: BLE001 - closing a dead endpoint is not an error
+            self._ep.abort()
+        finally:
+            self._executor.shutdown(wait=False)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+
+def _abort_quietly(ucx_ep, executor) -> None:
+    try:
+        ucx_ep.abort()
+    except Exception:  # noqa: BLE001 - best effort at teardown
+        pass
+    executor.shutdown(wait=False)
+
+
+class Listener:
+    """Accepts connections; `accept()` hands them out in arrival order."""
+
+    def __init__(self, config: TransportConfig):
+        self.config = config
+        self._queue: asyncio.Queue[Endpoint] = asyncio.Queue()
+        self._listener = None
+
+    async def _on_connect(self, ucx_ep) -> None:
+        await self._queue.put(Endpoint(ucx_ep, self.config))
+
+    @property
+    def port(self) -> int:
+        return self._listener.port
+
+    async def accept(self, timeout: float | None = None) -> Endpoint:
+        try:
+            return await asyncio.wait_for(self._queue.get(), timeout)
+        except asyncio.TimeoutError:
+            raise TransferTimeout("no peer connected within the timeout") from None
+
+    def close(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+
+
+async def listen(port: int = 0, config: TransportConfig | None = None) -> Listener:
+    config = config or TransportConfig.from_env()
+    start_ucx(config)
+    lst = Listener(config)
+    lst._listener = _ucxx().create_listener(lst._on_connect, port=port)
+    return lst
+
+
+async def connect(host: str, port: int, config: TransportConfig | None = None) -> Endpoint:
+    config = config or TransportConfig.from_env()
+    start_ucx(config)
+    try:
+        ucx_ep = await asyncio.wait_for(_ucxx().create_endpoint(host, port), config.deadline_s)
+    except Exception as e:  # noqa: BLE001
+        raise _translate(e, f"connect to {host}:{port}") from e
+    return Endpoint(ucx_ep, config)
