@@ -188,6 +188,12 @@ static void split_planes(int layout, int itemsize, const uint8_t *src, size_t n,
         }
     } else if (itemsize == 1) {
         planes[0] = (uint8_t *)src; /* read-only from here on */
+    } else if (itemsize == 2) { /* fp16, int16: the generic loop below does not vectorize */
+        for (size_t i = 0; i < n; i++) {
+            uint16_t x = load16(src + 2 * i);
+            planes[0][i] = (uint8_t)x;
+            planes[1][i] = (uint8_t)(x >> 8);
+        }
     } else {
         for (size_t i = 0; i < n; i++)
             for (int j = 0; j < itemsize; j++) planes[j][i] = src[(size_t)itemsize * i + j];
@@ -212,6 +218,8 @@ static void merge_planes(int layout, int itemsize, const uint8_t *const *planes,
         }
     } else if (itemsize == 1) {
         if (planes[0] != dst) memcpy(dst, planes[0], n);
+    } else if (itemsize == 2) {
+        for (size_t i = 0; i < n; i++) store16(dst + 2 * i, (uint16_t)(planes[0][i] | (planes[1][i] << 8)));
     } else {
         for (size_t i = 0; i < n; i++)
             for (int j = 0; j < itemsize; j++) dst[(size_t)itemsize * i + j] = planes[j][i];
@@ -646,9 +654,12 @@ static size_t encode_planes(const params_t *pr, uint8_t *const *planes, size_t n
     for (int j = 0; j < pr->nplanes; j++) {
         uint32_t h[256];
         const uint32_t *hp = NULL;
-        if (j == 0) {
+        /* Plane 0 of the float layouts is the exponent: always worth coding. A byte
+         * plane of a wider element (fp16's low byte) often is not: sample first. */
+        int split_exponent = pr->layout != LAYOUT_BYTES || pr->itemsize == 1;
+        if (j == 0 && (split_exponent || plane_worth_coding(planes[0], n))) {
             hp = hist0;
-        } else if (plane_worth_coding(planes[j], n)) {
+        } else if (j > 0 && plane_worth_coding(planes[j], n)) {
             hist_of(planes[j], n, h);
             hp = h;
         }
