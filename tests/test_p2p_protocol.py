@@ -189,13 +189,15 @@ def test_adaptive_policy_flips_with_link_and_data():
     p = AdaptivePolicy("auto")
     assert not p.decide(8 << 20, 0.67).compress  # link not measured yet: raw, and measure it
     p.observe_link(8 << 20, (8 << 20) / 0.125e9)  # a 1 Gbit/s link
+    assert p.needs_probe(8 << 20)
     p.observe_compress(8 << 20, (8 << 20) / 1.5e9)
     assert p.decide(8 << 20, 0.67).compress  # weights over a slow link: compress
     assert not p.decide(8 << 20, 1.0).compress  # random bytes: raw
     assert not p.decide(1000, 0.67).compress  # tiny: raw
     for _ in range(20):
         p.observe_link(8 << 20, (8 << 20) / 5e9)  # the link becomes fast
-    d = p.decide(8 << 20, 0.67)
-    assert not d.compress and "model" in d.reason and d.link_gbps > 4
+    assert not p.needs_probe(8 << 20)  # codec-bound: no ratio could make compression pay
+    d = p.decide(8 << 20, None)
+    assert not d.compress and d.link_gbps > 4
     assert AdaptivePolicy("on").decide(100, 1.0).compress
     assert not AdaptivePolicy("off").decide(8 << 20, 0.1).compress

@@ -138,10 +138,11 @@ def test_random_bytes_go_raw_and_weights_get_compressed_in_auto_mode():
     try:
         async def main():
             ep = await p2p.connect("127.0.0.1", peer.port, p2p.TransportConfig(compression="auto"))
+            # Pin the link estimate at 1 Gbit/s (loopback is faster than the codec, where
+            # nothing is worth compressing): then only the data decides.
+            ep.policy.observe_link(8 << 20, (8 << 20) / 0.125e9)
+            ep.policy.observe_link = lambda *a: None
             s_noise = await ep.send_tensors(noise)
-            # Pretend the link is 1 Gbit/s: the same policy must now compress weights.
-            for _ in range(10):
-                ep.policy.observe_link(8 << 20, (8 << 20) / 0.125e9)
             s_w = await ep.send_tensors(weights)
             await ep.close()
             return s_noise, s_w
@@ -151,7 +152,7 @@ def test_random_bytes_go_raw_and_weights_get_compressed_in_auto_mode():
         check(weights, peer.get()[1])
         assert s_noise.chunks_compressed == 0
         assert any(d.reason == "incompressible" for d in s_noise.decisions)
-        assert s_w.chunks_compressed >= s_w.chunks - 1
+        assert s_w.chunks_compressed == s_w.chunks
         assert all(d.probe_ratio < 0.7 for d in s_w.decisions if d.compress)
     finally:
         peer.stop()

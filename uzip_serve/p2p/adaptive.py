@@ -91,6 +91,19 @@ class AdaptivePolicy:
         if raw_bytes >= self.MIN_BYTES and seconds > 0:
             self.decompress_speed.add(raw_bytes / seconds)
 
+    def needs_probe(self, nbytes: int) -> bool:
+        """Whether the chunk's ratio could change the decision. On a link faster than
+        the codec even a perfect ratio loses, so the probe (a one-block compression)
+        is skipped there and costs nothing."""
+        if self.mode != "auto" or nbytes < self.MIN_BYTES:
+            return False
+        link = self.link.value
+        if link is None:
+            return False
+        c = self.compress_speed.value or self.PRIOR_COMPRESS_GBPS * 1e9
+        d = self.decompress_speed.value or self.PRIOR_DECOMPRESS_GBPS * 1e9
+        return max(1 / c, 1 / d) < (1 - self.MARGIN) / link
+
     def decide(self, nbytes: int, probe_ratio: float | None) -> Decision:
         link = self.link.value
         c = self.compress_speed.value or self.PRIOR_COMPRESS_GBPS * 1e9
@@ -105,10 +118,12 @@ class AdaptivePolicy:
             return make(False, "forced off")
         if nbytes < self.MIN_BYTES:
             return make(False, "small chunk")
-        if probe_ratio is None or probe_ratio > 1 - self.MARGIN:
-            return make(False, "incompressible")
         if link is None:
             return make(False, "link speed not measured yet")
+        if probe_ratio is None:
+            return make(False, "codec slower than the link")
+        if probe_ratio > 1 - self.MARGIN:
+            return make(False, "incompressible")
         t_raw = nbytes / link
         t_zip = max(nbytes / c, nbytes * probe_ratio / link, nbytes / d)
         if t_zip < (1 - self.MARGIN) * t_raw:

@@ -125,7 +125,7 @@ async def send_tensors(channel: Channel, tensors, *, config: TransportConfig, po
         data = _chunk_bytes(chunk, flats)
         typed = _typed(data, chunk.dtype)
         probe = None
-        if policy.mode == "auto" and data.numel() >= policy.MIN_BYTES:
+        if policy.needs_probe(data.numel()):
             sample = typed[: PROBE_BYTES // typed.element_size()]
             probe = len(uz.compress(sample, threads=1)) / sample.nbytes
         decision = policy.decide(data.numel(), probe)
