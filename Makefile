@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.uzip-installed
 
-.PHONY: setup data demo test bench clean
+.PHONY: setup data demo test bench clean proto
 
 setup: $(STAMP) data
 
@@ -31,3 +31,11 @@ bench: setup
 
 clean:
 	rm -rf build *.egg-info uzip_serve/kernels/*.so
+
+# Regenerates the gRPC code from proto/ (committed; never edit it by hand). The import
+# rewrite makes the generated modules importable from inside the package.
+GEN := uzip_serve/coordinator/_generated
+proto: proto/uzip/v1/coordinator.proto
+	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=$(GEN) --pyi_out=$(GEN) --grpc_python_out=$(GEN) proto/uzip/v1/coordinator.proto
+	sed -i 's/^from uzip\.v1 import/from uzip_serve.coordinator._generated.uzip.v1 import/' $(GEN)/uzip/v1/coordinator_pb2_grpc.py
+	touch $(GEN)/__init__.py $(GEN)/uzip/__init__.py $(GEN)/uzip/v1/__init__.py

@@ -6,6 +6,8 @@ Public API (kept small; everything heavy is imported on first use)::
     tensor = uzip_serve.decompress(frame)        # the same bits back
     n = uzip_serve.compress_into(tensor, buf)    # into a preallocated buffer
     uzip_serve.max_compressed_size(nbytes, dtype)
+    uzip_serve.push_weights(state_dict, coordinator="host:50051")   # RL weight sync
+    uzip_serve.WeightReceiver(model, coordinator=..., receiver_id=...)
 
 `import uzip_serve` loads no compiled extension, torch, CuPy or UCX.
 """
@@ -22,6 +24,11 @@ __all__ = [
     "decompress",
     "max_compressed_size",
     "read_header",
+    "push_weights",
+    "push_weights_async",
+    "PushError",
+    "PushResult",
+    "WeightReceiver",
 ]
 
 
@@ -31,4 +38,8 @@ def __getattr__(name):
         from uzip_serve import codec
 
         return getattr(codec, name)
+    if name in ("push_weights", "push_weights_async", "PushError", "PushResult", "WeightReceiver"):
+        from uzip_serve import weights
+
+        return getattr(weights, name)
     raise AttributeError(f"module 'uzip_serve' has no attribute {name!r}")

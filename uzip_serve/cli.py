@@ -2,6 +2,7 @@
 
     uzip info FRAME            what a frame file holds (dtype, shape, ratio)
     uzip bench codec [...]     CPU codec vs zstd/lz4/zipnn on real tensors
+    uzip coordinator --listen HOST:PORT --state FILE [...]   the weight-push coordinator
     uzip version
 """
 
@@ -59,8 +60,14 @@ def main(argv: list[str] | None = None) -> int:
     p_info = sub.add_parser("info", help="describe a frame file")
     p_info.add_argument("frame")
     sub.add_parser("bench", help="run a benchmark (uzip bench codec --help)", add_help=False)
+    sub.add_parser("coordinator", help="run the weight-push coordinator (uzip coordinator --help)",
+                   add_help=False)
     if argv and argv[0] == "bench":
         return _bench(argv[1:])
+    if argv and argv[0] == "coordinator":
+        from uzip_serve.coordinator import server
+
+        return server.main(argv[1:])
     args = parser.parse_args(argv)
     if args.cmd == "version":
         import uzip_serve as uz

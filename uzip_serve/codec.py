@@ -78,6 +78,15 @@ def compress_into(tensor, out: Buffer, *, threads: int | None = None) -> int:
     `out` must hold at least max_compressed_size(tensor.nbytes, tensor.dtype) bytes;
     only the first (returned) bytes are the frame. Blocks until done.
     """
+    if _is_cuda_tensor(tensor):  # [cuda hook]
+        out_mv = memoryview(out).cast("B")
+        need = fmt.max_compressed_size(tensor.numel() * tensor.element_size(), _dtype_name(tensor.dtype),
+                                       ndim=tensor.dim())
+        if len(out_mv) < need:
+            raise ValueError(f"output buffer holds {len(out_mv)} bytes; max_compressed_size needs {need}")
+        n = _compress_cuda(tensor, out_mv)
+        if n is not None:
+            return n
     t = _as_host_tensor(tensor)
     dt = fmt.dtype_by_name(_dtype_name(t.dtype))
     shape = tuple(t.shape)
@@ -106,6 +115,12 @@ def compress(tensor, *, threads: int | None = None) -> bytearray:
     Returns a bytearray holding exactly the frame. Lossless: decompress() gives back
     the same bits, NaN payloads and signed zeros included.
     """
+    if _is_cuda_tensor(tensor):  # [cuda hook] CUDA tensors are coded on their GPU
+        if tensor.dim() > fmt.MAX_NDIM:
+            raise ValueError(f"tensors of more than {fmt.MAX_NDIM} dims are not supported (got {tensor.dim()})")
+        frame = _compress_cuda(tensor)
+        if frame is not None:
+            return frame
     t = _as_host_tensor(tensor)
     out = bytearray(max_compressed_size(t.numel() * t.element_size(), t.dtype))
     n = compress_into(t, out, threads=threads)
@@ -128,6 +143,26 @@ def decompress(buf: Buffer, *, out: "torch.Tensor | None" = None, device=None,
     then `out` may hold partial data but nothing is returned.
     """
     import torch
+
+    # [cuda hook] device frames, and device="cuda" / CUDA `out`, decode on the GPU
+    if _is_cuda_tensor(buf):
+        return decompress_device(buf, out=out)
+    want_cuda = (device is not None and torch.device(device).type == "cuda") or (
+        out is not None and out.device.type == "cuda")
+    if want_cuda and _cuda_backend() is not None:
+        header = read_header(buf)
+        dev = out.device if out is not None else torch.device(device)
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        host = torch.frombuffer(memoryview(buf).cast("B"), dtype=torch.uint8) if header.frame_nbytes else \
+            torch.empty(0, dtype=torch.uint8)
+        frame = host.to(dev)
+        if out is not None:
+            torch_dtype = getattr(torch, header.dtype.name)
+            if out.dtype != torch_dtype or tuple(out.shape) != header.shape or not out.is_contiguous():
+                raise ValueError(f"out is {out.dtype} {tuple(out.shape)}, the frame holds "
+                                 f"{torch_dtype} {header.shape}")
+        return decompress_device(frame, header=header, out=out)
 
     header = read_header(buf)
     torch_dtype = getattr(torch, header.dtype.name, None)
@@ -152,3 +187,58 @@ def decompress(buf: Buffer, *, out: "torch.Tensor | None" = None, device=None,
     if device is not None:
         target = target.to(device)
     return target
+
+
+# ---- [cuda hook] dispatch to the GPU backend (uzip_serve/kernels/cuda.py, docs/gpu.md) ----
+
+def _cuda_backend():
+    """The CUDA backend, or None when CuPy (or a GPU) is missing."""
+    try:
+        return get_backend("cuda")
+    except ImportError:
+        logger.debug("CuPy not importable: CUDA tensors are coded on the CPU")
+        return None
+
+
+def _is_cuda_tensor(x) -> bool:
+    try:
+        import torch
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(x, torch.Tensor) and x.device.type == "cuda"
+
+
+def _compress_cuda(tensor, out=None):
+    """GPU compress into a host buffer: syncs once for the size, once for the copy."""
+    import torch
+
+    be = _cuda_backend()
+    if be is None:
+        return None
+    t = tensor.contiguous()
+    cap = fmt.max_compressed_size(t.numel() * t.element_size(), _dtype_name(t.dtype), ndim=t.dim())
+    dev_out = torch.empty(cap, dtype=torch.uint8, device=t.device)
+    n = be.compress_device(t, dev_out)
+    host = dev_out[:n].cpu().numpy()
+    if out is None:
+        return bytearray(host.tobytes())
+    memoryview(out).cast("B")[:n] = host.data
+    return n
+
+
+def compress_device(tensor, out: "torch.Tensor", *, stream=None) -> int:
+    """Compresses a CUDA tensor into the CUDA uint8 tensor `out` (sized with
+    max_compressed_size) on the GPU; returns the frame size (one host sync)."""
+    return get_backend("cuda").compress_device(tensor, out, stream=stream)
+
+
+def compress_device_async(tensor, out: "torch.Tensor", size_out: "torch.Tensor", *, stream=None) -> None:
+    """Capture-safe GPU compress: the frame size goes to the 1-element CUDA int64 tensor
+    `size_out`; no host synchronization, fixed-size buffers."""
+    get_backend("cuda").compress_device_async(tensor, out, size_out, stream=stream)
+
+
+def decompress_device(frame: "torch.Tensor", *, header: FrameHeader | None = None, out=None, stream=None,
+                      check: bool = True):
+    """Decodes a frame held in a CUDA uint8 tensor into a CUDA tensor on the GPU."""
+    return get_backend("cuda").decompress_device(frame, header, out=out, stream=stream, check=check)

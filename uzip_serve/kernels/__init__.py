@@ -36,6 +36,8 @@ class CodecBackend(Protocol):
 # name -> "module:attribute"; the attribute is a zero-argument factory.
 _REGISTRY: dict[str, str] = {
     "cpu": "uzip_serve.kernels.cpu:CpuCodec",
+    # [cuda hook] GPU kernels (cuda_codec.cu via CuPy/NVRTC); imported only on first use.
+    "cuda": "uzip_serve.kernels.cuda:CudaCodec",
 }
 _LOADED: dict[str, CodecBackend] = {}
 

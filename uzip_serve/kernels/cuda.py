@@ -1,0 +1,284 @@
+"""Launcher for the CUDA codec kernels (cuda_codec.cu): argument plumbing only.
+
+The .cu source ships in the package and is compiled once per process by NVRTC through
+CuPy (cupy.RawModule; CuPy caches the binary on disk). CuPy is imported only here, so
+`import uzip_serve` stays light. Kernels run on torch's current CUDA stream unless a
+stream is passed; every buffer is a torch CUDA tensor, handed to the kernels by pointer.
+
+Host synchronization points (docs/gpu.md):
+  - compress_device(): one, reading back the frame size (compress_device_async: none).
+  - decompress_device(): reading the header + block table of a device-resident frame
+    (skipped when the caller passes the parsed header), and one read of the error word
+    at the end (skipped with check=False, which hands the error word back instead).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import struct
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from uzip_serve import format as fmt
+from uzip_serve.format import FrameError, FrameHeader
+
+TPB = 64  # threads per codec block; must match cuda_codec.cu
+INFO_BYTES = 512
+ENC_BLOCK_ELEMS = fmt.DEFAULT_BLOCK_ELEMS  # 65536 = TPB * 1024
+ENC_SUBSTREAM = ENC_BLOCK_ELEMS // TPB
+NO_ERROR = (1 << 64) - 1
+
+_ERRORS = {
+    1: "block checksum mismatch (payload corrupted)",
+    2: "decoded block checksum mismatch",
+    3: "empty block payload",
+    4: "raw block has the wrong size",
+    5: "unknown block mode",
+    6: "plane header runs past the block",
+    7: "unknown plane mode",
+    8: "raw plane runs past the block",
+    9: "constant plane runs past the block",
+    10: "entropy-coded plane with no symbols",
+    11: "Huffman table runs past the block",
+    12: "Huffman symbol range exceeds a byte",
+    13: "Huffman code length over the limit",
+    14: "Huffman table padding is not zero",
+    15: "Huffman code lengths over-subscribe the code space",
+    16: "sub-stream offsets run past the block",
+    17: "sub-streams run past the block",
+    18: "sub-stream offsets go backwards",
+    19: "corrupt Huffman sub-stream",
+    20: "block has trailing bytes",
+    21: "sparse block header runs past the block",
+    22: "sparse block claims more nonzeros than elements",
+    23: "sparse mask padding is not zero",
+    24: "sparse mask disagrees with the nonzero count",
+    25: "block payloads do not cover the frame exactly",
+}
+
+
+def _kernel_suffix(dt: fmt.DType) -> str:
+    if dt.layout == fmt.LAYOUT_BF16:
+        return "bf16"
+    if dt.layout == fmt.LAYOUT_FP32:
+        return "fp32"
+    return f"b{dt.itemsize}"
+
+
+def _entropy_plane(dt: fmt.DType) -> int:
+    """Plane the GPU encoder entropy-codes; -1: the dtype is stored as RAW blocks."""
+    if dt.layout in (fmt.LAYOUT_BF16, fmt.LAYOUT_FP32):
+        return 0
+    if dt.name == "float16":
+        return 1  # the high byte: sign, exponent, 2 mantissa bits
+    return -1
+
+
+@functools.lru_cache(maxsize=None)
+def _module(device_index: int):
+    import cupy
+
+    src = (Path(__file__).with_name("cuda_codec.cu")).read_text()
+    with cupy.cuda.Device(device_index):
+        mod = cupy.RawModule(code=src, options=("-std=c++17",))
+        mod.compile()
+    return mod
+
+
+def _stream(stream):
+    import cupy
+    import torch
+
+    if stream is None:
+        stream = torch.cuda.current_stream()
+    ptr = stream.cuda_stream
+    st = _STREAMS.get(ptr)
+    if st is None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            st = _STREAMS[ptr] = cupy.cuda.ExternalStream(ptr)
+    return st
+
+
+_STREAMS: dict = {}
+
+
+def _u64(x: int):
+    return np.uint64(x)
+
+
+def _u32(x: int):
+    return np.uint32(x)
+
+
+def _launch(tensor_device, name, grid, block, args, stream):
+    import cupy
+
+    with cupy.cuda.Device(tensor_device.index or 0):
+        _module(tensor_device.index or 0).get_function(name)((grid,), (block,), args, stream=stream)
+
+
+def _header_words(dt: fmt.DType, shape, numel, block_elems, substream) -> list[int]:
+    head = fmt.pack_header(dt, tuple(shape), numel, 0, block_elems, substream)
+    head = head + b"\0" * (104 - len(head))
+    return list(struct.unpack("<13Q", head))
+
+
+class CudaCodec:
+    name = "cuda"
+
+    # ---- compress ----
+
+    def compress_device_async(self, tensor, out, size_out, *, stream=None) -> None:
+        """Compresses a contiguous CUDA tensor into the CUDA uint8 tensor `out` (at least
+        max_compressed_size bytes) and writes the frame size to the CUDA int64/uint64
+        tensor `size_out` (1 element). Never synchronizes with the host; fixed buffers,
+        so it can be captured in a CUDA graph (scratch comes from torch's allocator)."""
+        import torch
+
+        dt = fmt.dtype_by_name(str(tensor.dtype).removeprefix("torch."))
+        shape = tuple(tensor.shape)
+        if len(shape) > fmt.MAX_NDIM:
+            raise ValueError(f"tensors of more than {fmt.MAX_NDIM} dims are not supported (got {len(shape)})")
+        numel = tensor.numel()
+        need = fmt.max_compressed_size(numel * dt.itemsize, dt.name, ndim=len(shape))
+        if out.dtype != torch.uint8 or not out.is_cuda or out.numel() < need or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous CUDA uint8 tensor of at least {need} bytes")
+        if out.data_ptr() % 16:
+            raise ValueError("out must be 16-byte aligned")
+        src = tensor.contiguous()
+        if src.data_ptr() % 16:
+            src = src.clone()
+        st = _stream(stream)
+        dev = tensor.device
+        be, ss = ENC_BLOCK_ELEMS, ENC_SUBSTREAM
+        nblocks = fmt.num_blocks(numel, be)
+        table_offset = fmt.HEADER_NBYTES + fmt.DIM.size * len(shape)
+        payload_offset = fmt.payload_offset(len(shape), nblocks)
+        sfx = _kernel_suffix(dt)
+        total = size_out.view(torch.uint64) if size_out.dtype == torch.int64 else size_out
+        if nblocks:
+            info = torch.empty(nblocks * INFO_BYTES, dtype=torch.uint8, device=dev)
+            offsets = torch.empty(nblocks, dtype=torch.int64, device=dev)
+            cp = _entropy_plane(dt)
+            sp, ip, op = src.data_ptr(), info.data_ptr(), offsets.data_ptr()
+            _launch(dev, f"uz_enc_stats_{sfx}", nblocks, TPB,
+                    (_u64(sp), _u64(numel), _u32(ss), np.int32(cp), _u64(ip)), st)
+            _launch(dev, "uz_scan", 1, 1024,
+                    (_u64(ip), _u32(INFO_BYTES), _u32(nblocks), _u64(op), _u64(total.data_ptr()),
+                     _u64(payload_offset), _u64(0), np.int32(0), _u64(0)), st)
+            _launch(dev, f"uz_enc_write_{sfx}", nblocks, TPB,
+                    (_u64(sp), _u64(numel), _u32(ss), np.int32(cp), _u64(ip), _u64(op), _u64(out.data_ptr()),
+                     _u64(payload_offset), _u64(table_offset)), st)
+        else:
+            total.fill_(payload_offset)
+        hw = _header_words(dt, shape, numel, be, ss)
+        _launch(dev, "uz_enc_header", 1, TPB,
+                (_u64(out.data_ptr()), _u64(total.data_ptr()), _u32((table_offset + 7) // 8), _u64(payload_offset),
+                 *[_u64(w) for w in hw]), st)
+        if nblocks and stream is not None:  # scratch freed here must outlive the other stream's work
+            for t_ in (src, info, offsets):
+                t_.record_stream(stream)
+
+    def compress_device(self, tensor, out, *, stream=None) -> int:
+        """As compress_device_async, then reads the size back: the one host sync."""
+        import torch
+
+        size = torch.empty(1, dtype=torch.int64, device=tensor.device)
+        self.compress_device_async(tensor, out, size, stream=stream)
+        return int(size.item())
+
+    # ---- decompress ----
+
+    def decompress_device(self, frame, header: FrameHeader | None = None, *, out=None, stream=None,
+                          check: bool = True):
+        """Decodes a frame held in a CUDA uint8 tensor into a CUDA tensor.
+
+        header: the parsed header (format.parse_header) if the caller has it; else the
+        header and block table are copied to the host and validated there (a sync).
+        check=False returns (tensor, error_word) without synchronizing; error_word is a
+        CUDA uint64 tensor, ~0 when clean (see error_message)."""
+        import torch
+
+        if header is None:
+            header = read_header_device(frame)
+        dt = header.dtype
+        torch_dtype = getattr(torch, dt.name)
+        dev = frame.device
+        if out is None:
+            out = torch.empty(header.shape, dtype=torch_dtype, device=dev)
+        err = torch.full((1,), -1, dtype=torch.int64, device=dev)
+        if header.numel == 0:
+            return out if check else (out, err)
+        if frame.data_ptr() % 16:
+            frame = frame.clone()
+        if out.data_ptr() % 16:
+            raise ValueError("out must be 16-byte aligned")
+        st = _stream(stream)
+        nb = header.num_blocks
+        offsets = torch.empty(nb, dtype=torch.int64, device=dev)
+        ctrl = torch.zeros(1, dtype=torch.int32, device=dev)
+        clist = torch.empty(nb, dtype=torch.int32, device=dev)
+        payload_len = header.frame_nbytes - header.payload_offset
+        fp, ep = frame.data_ptr(), err.data_ptr()
+        _launch(dev, "uz_scan", 1, 1024,
+                (_u64(fp + header.table_offset), _u32(12), _u32(nb), _u64(offsets.data_ptr()), _u64(0), _u64(0),
+                 _u64(payload_len), np.int32(1), _u64(ep)), st)
+        sfx = _kernel_suffix(dt)
+        common = (_u64(fp), _u64(header.payload_offset), _u64(payload_len), _u64(header.table_offset),
+                  _u64(offsets.data_ptr()), _u64(header.numel), _u32(header.block_elems),
+                  _u32(header.substream_elems), _u64(out.data_ptr()), _u64(ep))
+        _launch(dev, f"uz_dec_fast_{sfx}", nb, TPB, common + (_u64(clist.data_ptr()), _u64(ctrl.data_ptr())), st)
+        nplanes = dt.itemsize if dt.layout == fmt.LAYOUT_BYTES else (2 if dt.layout == fmt.LAYOUT_BF16 else 4)
+        slots = min(nb, 132 * 2)
+        slot_bytes = ((nplanes + 1) * header.block_elems + 15) // 16 * 16
+        scratch = torch.empty(slots * slot_bytes, dtype=torch.uint8, device=dev)
+        _launch(dev, f"uz_dec_slow_{sfx}", slots, TPB,
+                common + (_u64(clist.data_ptr()), _u64(ctrl.data_ptr()), _u64(scratch.data_ptr()),
+                          _u64(slot_bytes)), st)
+        if stream is not None:
+            for t_ in (frame, offsets, ctrl, clist, scratch, err):
+                t_.record_stream(stream)
+        if not check:
+            return out, err
+        raise_on_error(err)
+        return out
+
+
+def error_message(word: int) -> str | None:
+    word &= NO_ERROR
+    if word == NO_ERROR:
+        return None
+    block, code = word >> 8, word & 0xFF
+    what = _ERRORS.get(code, f"error {code}")
+    if block == 0xFFFFFFFF:
+        return what
+    return f"block {block}: {what}"
+
+
+def raise_on_error(err) -> None:
+    """Reads the device error word (a host sync) and raises FrameError if it is set."""
+    msg = error_message(int(err.item()))
+    if msg is not None:
+        raise FrameError(f"corrupt uzip frame: {msg}")
+
+
+def read_header_device(frame) -> FrameHeader:
+    """Copies the header and block table of a device-resident frame to the host and
+    validates them with format.parse_header (two small device-to-host copies: a sync)."""
+    from uzip_serve.kernels import get_backend
+
+    n = frame.numel()
+    head = frame[: min(n, fmt.HEADER_NBYTES)].cpu().numpy().tobytes()
+    if len(head) < fmt.HEADER_NBYTES:
+        raise FrameError(f"truncated frame: {n} bytes, the header alone needs {fmt.HEADER_NBYTES}")
+    (_, _, _, ndim, _, _, _, _, nblocks, _) = fmt.FRAME_HEADER.unpack_from(head, 0)
+    end = min(n, fmt.payload_offset(min(ndim, fmt.MAX_NDIM), nblocks))
+    # parse_header compares frame_nbytes with the buffer's length and reads only the header
+    # and table: hand it a lazily zeroed host buffer (calloc: untouched pages cost nothing).
+    buf = np.zeros(n, dtype=np.uint8)
+    buf[:end] = frame[:end].cpu().numpy()
+    return fmt.parse_header(buf, get_backend("cpu").crc32c)

@@ -1,0 +1,1130 @@
+/*
+ * CUDA kernels for the uzip frame codec (docs/format.md), compiled at run time by NVRTC
+ * through CuPy (uzip_serve/kernels/cuda.py). Every kernel must produce / accept exactly
+ * the bytes the CPU reference in uzip_serve/kernels/cpu_codec.c does:
+ *
+ *   CPU reference                       GPU counterpart here
+ *   crc32c / crc32c_combine             crc_bytes / crc_word / crc_block_combine
+ *   split_planes / hist_of              plane_sym + uz_enc_stats (per-thread counters)
+ *   build_lengths                       build_lengths_dev (same algorithm, rank sort)
+ *   assign_codes                        canonical codes in uz_enc_write / build_lut_dev
+ *   encode_stream                       BitWriter in uz_enc_write
+ *   decode_plane / decode_stream_tail   HuffReader + uz_dec_fast / uz_dec_slow
+ *   merge_planes                        merge16 (fast) / merge1 (slow)
+ *   encode_block / decode_block         uz_enc_stats + uz_enc_write / uz_dec_fast + uz_dec_slow
+ *
+ * One codec block is handled by one CUDA block of TPB = 64 threads. Thread t owns a
+ * contiguous run of sub-streams (and so a contiguous range of elements and of output
+ * bytes), so per-thread CRCs of contiguous chunks are stitched with the GF(2) shift of
+ * crc32c_combine. Only portable CUDA C++ is used (no inline PTX); __funnelshift_r,
+ * __brev, __popc and __shfl_xor_sync have direct HIP equivalents.
+ *
+ * GPU encoder choices (valid frames, may differ from the CPU's): only the "entropy plane"
+ * (plane 0 for bf16/fp32, plane 1 = high byte for fp16) is Huffman/CONST coded, every other
+ * plane is stored RAW, SPARSE blocks are never emitted, and all other dtypes are stored as
+ * RAW blocks. The decoder reads every valid frame: uz_dec_fast handles RAW blocks and DENSE
+ * blocks with at most one HUFF plane; anything else (SPARSE, several HUFF planes) is
+ * queued to uz_dec_slow, which decodes planes through global scratch.
+ */
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#define TPB 64              /* threads per codec block */
+#define MAX_CODE_LEN 11
+#define LUT_SIZE 2048
+#define CRC_REP 8           /* copies of the CRC table in shared memory (bank conflicts) */
+#define INFO_BYTES 512      /* per-block record written by uz_enc_stats */
+#define MAX_PLANES 16
+
+enum { LAYOUT_BYTES = 0, LAYOUT_BF16 = 1, LAYOUT_FP32 = 2 };
+enum { BLOCK_RAW = 0, BLOCK_DENSE = 1, BLOCK_SPARSE = 2 };
+enum { PLANE_RAW = 0, PLANE_CONST = 1, PLANE_HUFF = 2 };
+
+/* Error codes reported through the u64 error word: (block << 8) | code, lowest wins. */
+enum {
+    E_PAYLOAD_CRC = 1, E_ORIG_CRC, E_EMPTY, E_RAW_SIZE, E_MODE, E_PLANE_HDR, E_PLANE_MODE,
+    E_RAW_PLANE, E_CONST_PLANE, E_HUFF_EMPTY, E_HUFF_TABLE, E_HUFF_RANGE, E_HUFF_LEN, E_HUFF_PAD,
+    E_HUFF_KRAFT, E_ENDS, E_STREAMS_PAST, E_ENDS_BACK, E_STREAM, E_TRAILING, E_SPARSE_HDR, E_SPARSE_M,
+    E_SPARSE_PAD, E_SPARSE_POP, E_TOTAL
+};
+
+__constant__ u32 CRC_TAB[256] = {
+0x00000000u, 0xf26b8303u, 0xe13b70f7u, 0x1350f3f4u, 0xc79a971fu, 0x35f1141cu, 0x26a1e7e8u, 0xd4ca64ebu,
+0x8ad958cfu, 0x78b2dbccu, 0x6be22838u, 0x9989ab3bu, 0x4d43cfd0u, 0xbf284cd3u, 0xac78bf27u, 0x5e133c24u,
+0x105ec76fu, 0xe235446cu, 0xf165b798u, 0x030e349bu, 0xd7c45070u, 0x25afd373u, 0x36ff2087u, 0xc494a384u,
+0x9a879fa0u, 0x68ec1ca3u, 0x7bbcef57u, 0x89d76c54u, 0x5d1d08bfu, 0xaf768bbcu, 0xbc267848u, 0x4e4dfb4bu,
+0x20bd8edeu, 0xd2d60dddu, 0xc186fe29u, 0x33ed7d2au, 0xe72719c1u, 0x154c9ac2u, 0x061c6936u, 0xf477ea35u,
+0xaa64d611u, 0x580f5512u, 0x4b5fa6e6u, 0xb93425e5u, 0x6dfe410eu, 0x9f95c20du, 0x8cc531f9u, 0x7eaeb2fau,
+0x30e349b1u, 0xc288cab2u, 0xd1d83946u, 0x23b3ba45u, 0xf779deaeu, 0x05125dadu, 0x1642ae59u, 0xe4292d5au,
+0xba3a117eu, 0x4851927du, 0x5b016189u, 0xa96ae28au, 0x7da08661u, 0x8fcb0562u, 0x9c9bf696u, 0x6ef07595u,
+0x417b1dbcu, 0xb3109ebfu, 0xa0406d4bu, 0x522bee48u, 0x86e18aa3u, 0x748a09a0u, 0x67dafa54u, 0x95b17957u,
+0xcba24573u, 0x39c9c670u, 0x2a993584u, 0xd8f2b687u, 0x0c38d26cu, 0xfe53516fu, 0xed03a29bu, 0x1f682198u,
+0x5125dad3u, 0xa34e59d0u, 0xb01eaa24u, 0x42752927u, 0x96bf4dccu, 0x64d4cecfu, 0x77843d3bu, 0x85efbe38u,
+0xdbfc821cu, 0x2997011fu, 0x3ac7f2ebu, 0xc8ac71e8u, 0x1c661503u, 0xee0d9600u, 0xfd5d65f4u, 0x0f36e6f7u,
+0x61c69362u, 0x93ad1061u, 0x80fde395u, 0x72966096u, 0xa65c047du, 0x5437877eu, 0x4767748au, 0xb50cf789u,
+0xeb1fcbadu, 0x197448aeu, 0x0a24bb5au, 0xf84f3859u, 0x2c855cb2u, 0xdeeedfb1u, 0xcdbe2c45u, 0x3fd5af46u,
+0x7198540du, 0x83f3d70eu, 0x90a324fau, 0x62c8a7f9u, 0xb602c312u, 0x44694011u, 0x5739b3e5u, 0xa55230e6u,
+0xfb410cc2u, 0x092a8fc1u, 0x1a7a7c35u, 0xe811ff36u, 0x3cdb9bddu, 0xceb018deu, 0xdde0eb2au, 0x2f8b6829u,
+0x82f63b78u, 0x709db87bu, 0x63cd4b8fu, 0x91a6c88cu, 0x456cac67u, 0xb7072f64u, 0xa457dc90u, 0x563c5f93u,
+0x082f63b7u, 0xfa44e0b4u, 0xe9141340u, 0x1b7f9043u, 0xcfb5f4a8u, 0x3dde77abu, 0x2e8e845fu, 0xdce5075cu,
+0x92a8fc17u, 0x60c37f14u, 0x73938ce0u, 0x81f80fe3u, 0x55326b08u, 0xa759e80bu, 0xb4091bffu, 0x466298fcu,
+0x1871a4d8u, 0xea1a27dbu, 0xf94ad42fu, 0x0b21572cu, 0xdfeb33c7u, 0x2d80b0c4u, 0x3ed04330u, 0xccbbc033u,
+0xa24bb5a6u, 0x502036a5u, 0x4370c551u, 0xb11b4652u, 0x65d122b9u, 0x97baa1bau, 0x84ea524eu, 0x7681d14du,
+0x2892ed69u, 0xdaf96e6au, 0xc9a99d9eu, 0x3bc21e9du, 0xef087a76u, 0x1d63f975u, 0x0e330a81u, 0xfc588982u,
+0xb21572c9u, 0x407ef1cau, 0x532e023eu, 0xa145813du, 0x758fe5d6u, 0x87e466d5u, 0x94b49521u, 0x66df1622u,
+0x38cc2a06u, 0xcaa7a905u, 0xd9f75af1u, 0x2b9cd9f2u, 0xff56bd19u, 0x0d3d3e1au, 0x1e6dcdeeu, 0xec064eedu,
+0xc38d26c4u, 0x31e6a5c7u, 0x22b65633u, 0xd0ddd530u, 0x0417b1dbu, 0xf67c32d8u, 0xe52cc12cu, 0x1747422fu,
+0x49547e0bu, 0xbb3ffd08u, 0xa86f0efcu, 0x5a048dffu, 0x8ecee914u, 0x7ca56a17u, 0x6ff599e3u, 0x9d9e1ae0u,
+0xd3d3e1abu, 0x21b862a8u, 0x32e8915cu, 0xc083125fu, 0x144976b4u, 0xe622f5b7u, 0xf5720643u, 0x07198540u,
+0x590ab964u, 0xab613a67u, 0xb831c993u, 0x4a5a4a90u, 0x9e902e7bu, 0x6cfbad78u, 0x7fab5e8cu, 0x8dc0dd8fu,
+0xe330a81au, 0x115b2b19u, 0x020bd8edu, 0xf0605beeu, 0x24aa3f05u, 0xd6c1bc06u, 0xc5914ff2u, 0x37faccf1u,
+0x69e9f0d5u, 0x9b8273d6u, 0x88d28022u, 0x7ab90321u, 0xae7367cau, 0x5c18e4c9u, 0x4f48173du, 0xbd23943eu,
+0xf36e6f75u, 0x0105ec76u, 0x12551f82u, 0xe03e9c81u, 0x34f4f86au, 0xc69f7b69u, 0xd5cf889du, 0x27a40b9eu,
+0x79b737bau, 0x8bdcb4b9u, 0x988c474du, 0x6ae7c44eu, 0xbe2da0a5u, 0x4c4623a6u, 0x5f16d052u, 0xad7d5351u
+};
+/* x^(2^n) mod P, as x2n_table in cpu_codec.c */
+__constant__ u32 X2N[32] = {0x40000000u, 0x20000000u, 0x08000000u, 0x00800000u, 0x00008000u, 0x82f63b78u, 0x6ea2d55cu, 0x18b8ea18u, 0x510ac59au, 0xb82be955u, 0xb8fdb1e7u, 0x88e56f72u, 0x74c360a4u, 0xe4172b16u, 0x0d65762au, 0x35d73a62u, 0x28461564u, 0xbf455269u, 0xe2ea32dcu, 0xfe7740e6u, 0xf946610bu, 0x3c204f8fu, 0x538586e3u, 0x59726915u, 0x734d5309u, 0xbc1ac763u, 0x7d0722ccu, 0xd289cabeu, 0xe94ca9bcu, 0x05b74f3fu, 0xa51e1f42u, 0x40000000u};
+
+__device__ __forceinline__ void report(u64 *err, u64 block, u32 code) {
+    atomicMin(err, (block << 8) | code);
+}
+
+/* ---- CRC32C ---- */
+__device__ __forceinline__ void load_crc_table(u32 *s) {
+    for (int i = threadIdx.x; i < 256 * CRC_REP; i += blockDim.x) s[i] = CRC_TAB[i / CRC_REP];
+}
+__device__ __forceinline__ u32 crc_byte(const u32 *tab, u32 c, u32 b, u32 rep) {
+    return (c >> 8) ^ tab[(((c ^ b) & 0xFFu) * CRC_REP) + rep];
+}
+/* c is the raw (inverted) CRC state; feeds the 4 bytes of w, low byte first */
+__device__ __forceinline__ u32 crc_word(const u32 *tab, u32 c, u32 w, u32 rep) {
+    c ^= w;
+    c = (c >> 8) ^ tab[(c & 0xFFu) * CRC_REP + rep];
+    c = (c >> 8) ^ tab[(c & 0xFFu) * CRC_REP + rep];
+    c = (c >> 8) ^ tab[(c & 0xFFu) * CRC_REP + rep];
+    c = (c >> 8) ^ tab[(c & 0xFFu) * CRC_REP + rep];
+    return c;
+}
+/* multmodp of cpu_codec.c */
+__device__ u32 multmodp(u32 a, u32 b) {
+    u32 p = 0;
+    for (int i = 0; i < 32; i++) {
+        if (a & (1u << (31 - i))) p ^= b;
+        b = (b & 1) ? (b >> 1) ^ 0x82F63B78u : b >> 1;
+    }
+    return p;
+}
+/* crc32c_combine of cpu_codec.c */
+__device__ u32 crc_combine(u32 a, u32 b, u64 len_b) {
+    u32 p = 1u << 31;
+    for (int k = 3; len_b; len_b >>= 1, k++)
+        if (len_b & 1) p = multmodp(X2N[k & 31], p);
+    return multmodp(p, a) ^ b;
+}
+/* Combines the finished CRCs of TPB contiguous chunks, thread order = byte order.
+ * Returns the CRC of their concatenation to every thread. Uses 2*TPB words of smem. */
+__device__ u32 crc_block_combine(u32 crc, u32 len, u32 *sm) {
+    int t = threadIdx.x;
+    u32 l = len;
+    for (int d = 1; d < 32; d <<= 1) {
+        u32 oc = __shfl_down_sync(0xFFFFFFFFu, crc, d);
+        u32 ol = __shfl_down_sync(0xFFFFFFFFu, l, d);
+        if ((t & (2 * d - 1)) == 0) {
+            crc = crc_combine(crc, oc, ol);
+            l += ol;
+        }
+    }
+    __syncthreads();
+    if ((t & 31) == 0) { sm[t / 32] = crc; sm[TPB + t / 32] = l; }
+    __syncthreads();
+    u32 r = sm[0];
+    for (int w = 1; w < TPB / 32; w++) r = crc_combine(r, sm[w], sm[TPB + w]);
+    __syncthreads();
+    return r;
+}
+/* CRC (finished) of bytes [p, p+n) of global memory, any alignment, bounds-exact. */
+__device__ u32 crc_bytes(const u32 *tab, const u8 *p, u64 n, u32 rep) {
+    u32 c = 0xFFFFFFFFu;
+    while (n && ((size_t)p & 3)) { c = crc_byte(tab, c, *p++, rep); n--; }
+    const u32 *w = (const u32 *)p;
+    while (n >= 4 && ((size_t)w & 15)) { c = crc_word(tab, c, *w++, rep); n -= 4; }
+    for (; n >= 16; n -= 16, w += 4) {
+        uint4 v = *(const uint4 *)w;
+        c = crc_word(tab, c, v.x, rep); c = crc_word(tab, c, v.y, rep);
+        c = crc_word(tab, c, v.z, rep); c = crc_word(tab, c, v.w, rep);
+    }
+    for (; n >= 4; n -= 4) c = crc_word(tab, c, *w++, rep);
+    p = (const u8 *)w;
+    while (n--) c = crc_byte(tab, c, *p++, rep);
+    return ~c;
+}
+/* CRC of [base, base+n) computed by all TPB threads in contiguous chunks. */
+__device__ u32 crc_parallel(const u32 *tab, const u8 *base, u64 n, u32 *sm) {
+    u64 chunk = ((n + TPB - 1) / TPB + 15) & ~(u64)15;
+    u64 a = (u64)threadIdx.x * chunk, b = a + chunk;
+    if (a > n) a = n;
+    if (b > n) b = n;
+    u32 c = crc_bytes(tab, base + a, b - a, threadIdx.x & (CRC_REP - 1));
+    return crc_block_combine(c, (u32)(b - a), sm);
+}
+
+/* ---- unaligned little-endian access to global memory ---- */
+/* 16 bytes at p (any alignment) as 4 words; reads only aligned words that hold
+ * at least one requested byte, so it never leaves the allocation. */
+__device__ __forceinline__ void load16u(const u8 *p, u32 w[4]) {
+    size_t a = (size_t)p;
+    const u32 *q = (const u32 *)(a & ~(size_t)3);
+    u32 sh = (u32)(a & 3) * 8;
+    u32 x0 = q[0], x1 = q[1], x2 = q[2], x3 = q[3];
+    if (sh) {
+        u32 x4 = q[4];
+        w[0] = __funnelshift_r(x0, x1, sh); w[1] = __funnelshift_r(x1, x2, sh);
+        w[2] = __funnelshift_r(x2, x3, sh); w[3] = __funnelshift_r(x3, x4, sh);
+    } else {
+        w[0] = x0; w[1] = x1; w[2] = x2; w[3] = x3;
+    }
+}
+__device__ __forceinline__ u32 ld_u16(const u8 *p) { return (u32)p[0] | ((u32)p[1] << 8); }
+__device__ __forceinline__ u32 ld_u32(const u8 *p) {
+    return (u32)p[0] | ((u32)p[1] << 8) | ((u32)p[2] << 16) | ((u32)p[3] << 24);
+}
+__device__ __forceinline__ u32 bytew(const u32 *w, int e) { return (w[e >> 2] >> ((e & 3) * 8)) & 0xFFu; }
+
+/* ---- element layouts (split_planes / merge_planes of cpu_codec.c) ---- */
+template <int LAYOUT, int ISZ> struct Lay {
+    static constexpr int P = LAYOUT == LAYOUT_BYTES ? ISZ : (LAYOUT == LAYOUT_BF16 ? 2 : 4);
+};
+/* plane j byte of the element whose bytes are given as words (ISZ <= 4: one word) */
+template <int LAYOUT, int ISZ> __device__ __forceinline__ u32 plane_sym(u32 x, int j) {
+    if (LAYOUT == LAYOUT_BF16) return j == 0 ? (x >> 7) & 0xFFu : (((x >> 8) & 0x80u) | (x & 0x7Fu));
+    if (LAYOUT == LAYOUT_FP32) {
+        if (j == 0) return (x >> 23) & 0xFFu;
+        if (j == 1) return x & 0xFFu;
+        if (j == 2) return (x >> 8) & 0xFFu;
+        return ((x >> 24) & 0x80u) | ((x >> 16) & 0x7Fu);
+    }
+    return (x >> (8 * j)) & 0xFFu;
+}
+/* 16 elements from P planes of 16 bytes each -> 4*ISZ output words */
+template <int LAYOUT, int ISZ> __device__ __forceinline__ void merge16(const u32 (*pw)[4], u32 *o) {
+    if (LAYOUT == LAYOUT_BF16) {
+#pragma unroll
+        for (int e = 0; e < 16; e += 2) {
+            u32 E0 = bytew(pw[0], e), R0 = bytew(pw[1], e), E1 = bytew(pw[0], e + 1), R1 = bytew(pw[1], e + 1);
+            u32 x0 = ((R0 & 0x80u) << 8) | (E0 << 7) | (R0 & 0x7Fu);
+            u32 x1 = ((R1 & 0x80u) << 8) | (E1 << 7) | (R1 & 0x7Fu);
+            o[e / 2] = x0 | (x1 << 16);
+        }
+    } else if (LAYOUT == LAYOUT_FP32) {
+#pragma unroll
+        for (int e = 0; e < 16; e++) {
+            u32 r3 = bytew(pw[3], e);
+            o[e] = ((r3 & 0x80u) << 24) | (bytew(pw[0], e) << 23) | ((r3 & 0x7Fu) << 16) | (bytew(pw[2], e) << 8) |
+                   bytew(pw[1], e);
+        }
+    } else {
+#pragma unroll
+        for (int w = 0; w < 4 * ISZ; w++) {
+            u32 v = 0;
+#pragma unroll
+            for (int b = 0; b < 4; b++) {
+                int i = 4 * w + b;
+                v |= bytew(pw[i % ISZ], i / ISZ) << (8 * b);
+            }
+            o[w] = v;
+        }
+    }
+}
+/* one element from its P plane bytes -> ISZ bytes */
+template <int LAYOUT, int ISZ> __device__ __forceinline__ void merge1(const u32 *pb, u8 *ob) {
+    if (LAYOUT == LAYOUT_BF16) {
+        u32 x = ((pb[1] & 0x80u) << 8) | (pb[0] << 7) | (pb[1] & 0x7Fu);
+        ob[0] = (u8)x; ob[1] = (u8)(x >> 8);
+    } else if (LAYOUT == LAYOUT_FP32) {
+        u32 x = ((pb[3] & 0x80u) << 24) | (pb[0] << 23) | ((pb[3] & 0x7Fu) << 16) | (pb[2] << 8) | pb[1];
+        ob[0] = (u8)x; ob[1] = (u8)(x >> 8); ob[2] = (u8)(x >> 16); ob[3] = (u8)(x >> 24);
+    } else {
+#pragma unroll
+        for (int j = 0; j < ISZ; j++) ob[j] = (u8)pb[j];
+    }
+}
+
+/* ---- Huffman decoding ---- */
+/* LUT entry (u16): bits 0-7 symbol, 8-11 code length, 15 "no code starts here" */
+struct HuffReader {
+    u64 buf;
+    int nb;
+    const u32 *wp, *wend;
+    u32 used, bad;
+    __device__ __forceinline__ void init(const u8 *p, u32 nbytes) {
+        size_t a = (size_t)p;
+        wp = (const u32 *)(a & ~(size_t)3);
+        wend = (const u32 *)((a + nbytes + 3) & ~(size_t)3);
+        buf = 0; nb = 0; used = 0; bad = 0;
+        refill(); refill();
+        u32 sk = (u32)(a & 3) * 8;
+        buf >>= sk; nb -= sk;
+    }
+    __device__ __forceinline__ void refill() {
+        u32 w = wp < wend ? *wp : 0u;
+        buf |= (u64)w << nb;
+        nb += 32;
+        wp++;
+    }
+    __device__ __forceinline__ u32 dec(const u16 *lut) {
+        u32 e = lut[buf & (LUT_SIZE - 1)];
+        u32 l = (e >> 8) & 0xFu;
+        bad |= e >> 15;
+        buf >>= l; nb -= l; used += l;
+        return e & 0xFFu;
+    }
+    /* 4 symbols into one word */
+    __device__ __forceinline__ u32 dec4(const u16 *lut) {
+        if (nb < 22) refill();
+        u32 a = dec(lut), b = dec(lut);
+        if (nb < 22) refill();
+        u32 c = dec(lut), d = dec(lut);
+        return a | (b << 8) | (c << 16) | (d << 24);
+    }
+    __device__ __forceinline__ u32 dec1(const u16 *lut) {
+        if (nb < 11) refill();
+        return dec(lut);
+    }
+    __device__ __forceinline__ bool ok(u32 nbytes) const { return !bad && (used + 7) / 8 == nbytes; }
+};
+
+/* Parsed Huffman plane (decode_plane's checks). */
+struct HuffPlane {
+    const u8 *lens;  /* nibbles */
+    const u8 *ends;
+    const u8 *data;
+    u32 lo, hi, k, total, count;
+};
+
+/* Builds the 2^11-entry LUT in smem from the nibble-coded lengths; all TPB threads.
+ * Returns false (to all threads) if the lengths over-subscribe the code space.
+ * scratch: >= 256 + 3*12 words of smem. */
+__device__ bool build_lut_dev(const HuffPlane &h, u16 *lut, u32 *scratch) {
+    u32 *cnt = scratch, *first = scratch + 12, *offs = scratch + 24, *sorted = scratch + 36, *okp = scratch + 36 + 256;
+    if (threadIdx.x == 0) {
+        u32 len[256];
+        for (int l = 0; l < 12; l++) cnt[l] = 0;
+        for (u32 s = h.lo; s <= h.hi; s++) {
+            u32 l = (h.lens[(s - h.lo) / 2] >> (((s - h.lo) & 1) * 4)) & 0xFu;
+            len[s - h.lo] = l;
+            cnt[l]++;
+        }
+        u32 c = 0, kraft = 0, o = 0;
+        cnt[0] = 0;
+        for (int l = 1; l <= MAX_CODE_LEN; l++) {
+            c = (c + cnt[l - 1]) << 1;
+            first[l] = c;
+            offs[l] = o;
+            o += cnt[l];
+            kraft += cnt[l] << (MAX_CODE_LEN - l);
+        }
+        *okp = kraft <= LUT_SIZE;
+        u32 fill[12];
+        for (int l = 0; l < 12; l++) fill[l] = offs[l];
+        for (u32 s = h.lo; s <= h.hi; s++) {
+            u32 l = len[s - h.lo];
+            if (l) sorted[fill[l]++] = s;
+        }
+    }
+    __syncthreads();
+    bool ok = *okp;
+    if (ok) {
+        for (u32 j = threadIdx.x; j < LUT_SIZE; j += TPB) {
+            u32 r = __brev(j) >> 21, e = (1u << 8) | (1u << 15);
+            for (int l = 1; l <= MAX_CODE_LEN; l++) {
+                u32 c = r >> (MAX_CODE_LEN - l);
+                if (c - first[l] < cnt[l]) {
+                    e = sorted[offs[l] + c - first[l]] | ((u32)l << 8);
+                    break;
+                }
+            }
+            lut[j] = (u16)e;
+        }
+    }
+    __syncthreads();
+    return ok;
+}
+
+/* Parses one plane at *p (bounded by end) with count symbols: decode_plane's header checks.
+ * Returns 0 or an error code. Thread-local. */
+__device__ u32 parse_plane(const u8 *&p, const u8 *end, u32 count, u32 substream, u32 &mode, u32 &cval,
+                           const u8 *&raw, HuffPlane &h) {
+    if (p >= end) return E_PLANE_HDR;
+    mode = *p++;
+    if (mode == PLANE_RAW) {
+        if ((u64)(end - p) < count) return E_RAW_PLANE;
+        raw = p;
+        p += count;
+        return 0;
+    }
+    if (mode == PLANE_CONST) {
+        if (p >= end) return E_CONST_PLANE;
+        cval = *p++;
+        return 0;
+    }
+    if (mode != PLANE_HUFF) return E_PLANE_MODE;
+    if (count == 0) return E_HUFF_EMPTY;
+    if (end - p < 2) return E_HUFF_TABLE;
+    h.lo = p[0];
+    h.hi = h.lo + p[1];
+    p += 2;
+    if (h.hi > 255) return E_HUFF_RANGE;
+    u32 nib = (h.hi - h.lo + 2) / 2;
+    if ((u64)(end - p) < nib) return E_HUFF_TABLE;
+    for (u32 s = h.lo; s <= h.hi; s++) {
+        u32 l = (p[(s - h.lo) / 2] >> (((s - h.lo) & 1) * 4)) & 0xFu;
+        if (l > MAX_CODE_LEN) return E_HUFF_LEN;
+    }
+    if (((h.hi - h.lo) & 1) == 0 && (p[nib - 1] >> 4)) return E_HUFF_PAD;
+    h.lens = p;
+    p += nib;
+    h.k = (count + substream - 1) / substream;
+    h.count = count;
+    if ((u64)(end - p) < 2ull * h.k) return E_ENDS;
+    h.ends = p;
+    h.data = p + 2 * h.k;
+    h.total = ld_u16(h.ends + 2 * (h.k - 1));
+    if ((u64)(end - h.data) < h.total) return E_STREAMS_PAST;
+    p = h.data + h.total;
+    return 0;
+}
+
+/* ======================= encoder ======================= */
+
+/* Element i of a block (ISZ <= 4) as a word. */
+template <int ISZ> __device__ __forceinline__ u32 elem_at(const u8 *bsrc, u32 i) {
+    if (ISZ == 1) return bsrc[i];
+    if (ISZ == 2) return ((const u16 *)bsrc)[i];
+    return ((const u32 *)bsrc)[i];
+}
+/* Plane j byte of element i (split_planes). */
+template <int LAYOUT, int ISZ> __device__ __forceinline__ u32 plane_byte(const u8 *bsrc, u32 i, int j) {
+    if (LAYOUT == LAYOUT_BYTES) return bsrc[(size_t)i * ISZ + j];
+    return plane_sym<LAYOUT, ISZ>(elem_at<ISZ>(bsrc, i), j);
+}
+/* Element el (0..15) of a 16-element chunk held as 4*ISZ words (ISZ <= 4). */
+template <int ISZ> __device__ __forceinline__ u32 elem_of(const u32 *wds, int el) {
+    if (ISZ == 1) return bytew(wds, el);
+    if (ISZ == 2) return (wds[el >> 1] >> ((el & 1) * 16)) & 0xFFFFu;
+    return wds[(el * ISZ) / 4];
+}
+
+/* build_lengths of cpu_codec.c, after the keys are sorted; one thread. */
+__device__ void build_lengths_tail(const u64 *key, int n, u32 *w, u16 *parent, u8 *depth, u8 *len) {
+    for (int i = 0; i < n; i++) w[i] = (u32)(key[i] >> 8);
+    int leaf = 0, inode = n, next = n;
+    while (next < 2 * n - 1) {
+        int pick[2];
+        for (int t = 0; t < 2; t++) {
+            if (leaf < n && (inode >= next || w[leaf] <= w[inode])) pick[t] = leaf++;
+            else pick[t] = inode++;
+        }
+        w[next] = w[pick[0]] + w[pick[1]];
+        parent[pick[0]] = parent[pick[1]] = (u16)next;
+        next++;
+    }
+    int root = 2 * n - 2;
+    u32 count[64];
+    for (int l = 0; l < 64; l++) count[l] = 0;
+    depth[root] = 0;
+    for (int i = root - 1; i >= 0; i--) {
+        depth[i] = (u8)(depth[parent[i]] + 1);
+        if (i < n) count[depth[i] < 63 ? depth[i] : 63]++;
+    }
+    for (int l = MAX_CODE_LEN + 1; l < 64; l++) count[MAX_CODE_LEN] += count[l];
+    u32 kraft = 0;
+    for (int l = 1; l <= MAX_CODE_LEN; l++) kraft += count[l] << (MAX_CODE_LEN - l);
+    while (kraft > LUT_SIZE) {
+        count[MAX_CODE_LEN]--;
+        for (int l = MAX_CODE_LEN - 1; l > 0; l--)
+            if (count[l]) { count[l]--; count[l + 1] += 2; break; }
+        kraft--;
+    }
+    for (int s = 0; s < 256; s++) len[s] = 0;
+    int i = 0;
+    for (int l = MAX_CODE_LEN; l >= 1; l--)
+        for (u32 c = 0; c < count[l]; c++) len[key[i++] & 0xFF] = (u8)l;
+}
+
+/* Info record (INFO_BYTES per block), words: 0 payload bytes, 1 crc_original, 2 block mode,
+ * 3 entropy-plane mode, 4 lo, 5 hi, 6 const value, 7 sub-stream data bytes, 8 k, 9 nibble bytes;
+ * bytes 64..319 code lengths, 320..447 u16 inclusive sub-stream ends. */
+
+/* Pass 1 (encode_block's analysis): CRC of the original block, the entropy plane's histogram
+ * (per-thread u16 counters, so each thread also knows its own sub-stream's size), the
+ * length-limited code, and the block's payload size. One CUDA block per codec block;
+ * block_elems = TPB * S, so thread t encodes exactly sub-stream t.
+ *   src    the tensor's bytes (16-byte aligned)           numel  elements
+ *   S      sub-stream elements (block_elems = 64 * S)      cp     entropy plane, -1: RAW blocks
+ *   info   out: INFO_BYTES per block (see above)                                              */
+template <int LAYOUT, int ISZ>
+__device__ void enc_stats(const u8 *__restrict__ src, u64 numel, u32 S, int cp, u8 *__restrict__ info) {
+    constexpr int P = Lay<LAYOUT, ISZ>::P;
+    __shared__ __align__(16) u32 sm_crc[256 * CRC_REP];
+    __shared__ __align__(16) u32 cnt32[256 * TPB / 2];
+    __shared__ u32 hist[256];
+    __shared__ u8 len[256];
+    __shared__ u32 red[2 * TPB];
+    __shared__ u32 ends_s[TPB];
+    __shared__ u32 misc[4];
+    const u32 b = blockIdx.x, t = threadIdx.x;
+    const u64 first = (u64)b * TPB * S;
+    const u32 n = (u32)min((u64)TPB * S, numel - first);
+    const u8 *bsrc = src + first * ISZ;
+    u16 *cnt = (u16 *)cnt32;
+    load_crc_table(sm_crc);
+    if (cp >= 0)
+        for (int i = t; i < 256 * TPB / 2; i += TPB) cnt32[i] = 0;
+    __syncthreads();
+    u32 a = min(t * S, n), e = min(a + S, n);
+    const u32 rep = t & (CRC_REP - 1);
+    u32 c = 0xFFFFFFFFu;
+    u32 i = a;
+    for (; i + 16 <= e; i += 16) {
+        u32 wds[4 * ISZ];
+        const uint4 *q = (const uint4 *)(bsrc + (size_t)i * ISZ);
+#pragma unroll
+        for (int k = 0; k < ISZ; k++) {
+            uint4 v = q[k];
+            wds[4 * k] = v.x; wds[4 * k + 1] = v.y; wds[4 * k + 2] = v.z; wds[4 * k + 3] = v.w;
+        }
+#pragma unroll
+        for (int k = 0; k < 4 * ISZ; k++) c = crc_word(sm_crc, c, wds[k], rep);
+        if (ISZ <= 4 && cp >= 0) {
+#pragma unroll
+            for (int el = 0; el < 16; el++) {
+                u32 s = plane_sym<LAYOUT, ISZ>(elem_of<ISZ>(wds, el), cp);
+                cnt[s * TPB + t]++;
+            }
+        }
+    }
+    for (; i < e; i++) {
+        for (int k = 0; k < ISZ; k++) c = crc_byte(sm_crc, c, bsrc[(size_t)i * ISZ + k], rep);
+        if (ISZ <= 4 && cp >= 0) cnt[plane_byte<LAYOUT, ISZ>(bsrc, i, cp) * TPB + t]++;
+    }
+    u32 crc_orig = crc_block_combine(~c, (e - a) * ISZ, red);
+    u32 *inf = (u32 *)(info + (size_t)b * INFO_BYTES);
+    if (cp < 0) {
+        if (t == 0) { inf[0] = 1 + n * ISZ; inf[1] = crc_orig; inf[2] = BLOCK_RAW; }
+        return;
+    }
+    for (int s = t; s < 256; s += TPB) {
+        u32 h = 0;
+        for (int k = 0; k < TPB; k++) h += cnt[s * TPB + k];
+        hist[s] = h;
+    }
+    __syncthreads();
+    /* the CRC table is not needed any more: reuse it for the Huffman tree */
+    u64 *keys = (u64 *)sm_crc;                 /* 256 x u64 */
+    u32 *wt = sm_crc + 512;                    /* 512 x u32 */
+    u16 *parent = (u16 *)(sm_crc + 1024);      /* 512 x u16 */
+    u8 *depth = (u8 *)(sm_crc + 1280);         /* 512 x u8 */
+    for (int s = t; s < 256; s += TPB) {
+        len[s] = 0;
+        if (hist[s]) {
+            u64 k = ((u64)hist[s] << 8) | (u64)s;
+            u32 r = 0;
+            for (int s2 = 0; s2 < 256; s2++) r += hist[s2] && ((((u64)hist[s2] << 8) | (u64)s2) < k);
+            keys[r] = k;
+        }
+    }
+    if (t == 0) {
+        u32 used = 0, lo = 255, hi = 0;
+        for (int s = 0; s < 256; s++)
+            if (hist[s]) { used++; if ((u32)s < lo) lo = s; hi = s; }
+        misc[0] = used; misc[1] = lo; misc[2] = hi;
+    }
+    __syncthreads();
+    const u32 used = misc[0], lo = misc[1], hi = misc[2];
+    if (used >= 2 && t == 0) build_lengths_tail(keys, (int)used, wt, parent, depth, len);
+    __syncthreads();
+    u32 bits = 0;
+    if (used >= 2)
+        for (u32 s = lo; s <= hi; s++) bits += (u32)cnt[s * TPB + t] * len[s];
+    ends_s[t] = (bits + 7) / 8;
+    __syncthreads();
+    if (t == 0) {
+        for (int k = 1; k < TPB; k++) ends_s[k] += ends_s[k - 1];
+        const u32 k = (n + S - 1) / S;
+        const u32 nib = (hi - lo + 2) / 2;
+        u32 cmode, psize, total = ends_s[TPB - 1];
+        if (used == 1) { cmode = PLANE_CONST; psize = 2; }
+        else {
+            psize = 3 + nib + 2 * k + total;
+            cmode = PLANE_HUFF;
+            if (total > 0xFFFFu || psize >= 1 + n) { cmode = PLANE_RAW; psize = 1 + n; }
+        }
+        u32 dense = 1 + (P - 1) * (1 + n) + psize;
+        u32 raw = 1 + n * ISZ;
+        inf[0] = dense < raw ? dense : raw;
+        inf[1] = crc_orig;
+        inf[2] = dense < raw ? BLOCK_DENSE : BLOCK_RAW;
+        inf[3] = cmode; inf[4] = lo; inf[5] = hi; inf[6] = lo; inf[7] = total; inf[8] = k; inf[9] = nib;
+    }
+    __syncthreads();
+    u8 *ilen = info + (size_t)b * INFO_BYTES + 64;
+    for (int s = t; s < 256; s += TPB) ilen[s] = len[s];
+    ((u16 *)(info + (size_t)b * INFO_BYTES + 320))[t] = (u16)ends_s[t];
+}
+
+/* Exclusive scan of count u32 sizes found every `stride` bytes from `sizes`: offsets[i] =
+ * sum of the sizes before i. Writes base + total to *total_out. With check != 0 it is the
+ * decoder's "payloads cover exactly the frame" test against `expect` (error to *err).
+ * One CUDA block of 1024 threads. */
+extern "C" __global__ void uz_scan(const u8 *__restrict__ sizes, u32 stride, u32 count, u64 *__restrict__ offsets,
+                                   u64 *__restrict__ total_out, u64 base, u64 expect, int check, u64 *err) {
+    __shared__ u64 part[1024];
+    const u32 t = threadIdx.x;
+    const u32 per = (count + 1023) / 1024;
+    const u32 a = min(t * per, count), e = min(a + per, count);
+    u64 s = 0;
+    for (u32 i = a; i < e; i++) s += *(const u32 *)(sizes + (size_t)i * stride);
+    part[t] = s;
+    __syncthreads();
+    for (u32 d = 1; d < 1024; d <<= 1) {
+        u64 v = t >= d ? part[t - d] : 0;
+        __syncthreads();
+        part[t] += v;
+        __syncthreads();
+    }
+    u64 run = part[t] - s;
+    for (u32 i = a; i < e; i++) {
+        offsets[i] = run;
+        run += *(const u32 *)(sizes + (size_t)i * stride);
+    }
+    if (t == 1023) {
+        if (total_out) *total_out = base + part[1023];
+        if (check && part[1023] != expect) report(err, 0xFFFFFFFFull, E_TOTAL);
+    }
+}
+
+/* Writes `nbytes` at any alignment of dst from 16-aligned src, coalesced; all threads. */
+__device__ void coop_copy_to_unaligned(u8 *dst, const u8 *src, u32 nbytes) {
+    const u32 mis = (u32)((size_t)dst & 3);
+    u8 *pa = dst - mis;
+    const u32 W = (mis + nbytes + 3) / 4;
+    const u32 *s32 = (const u32 *)src;
+    const u32 sh = (4 - mis) & 3;
+    for (u32 w = threadIdx.x; w < W; w += TPB) {
+        long long i0 = 4ll * w - mis;
+        if (w > 0 && i0 + 4 <= (long long)nbytes) {
+            u32 q = (u32)(i0 >> 2);
+            u32 v = sh ? __funnelshift_r(s32[q], s32[q + 1], 8 * sh) : s32[q];
+            *(u32 *)(pa + 4 * w) = v;
+        } else {
+            for (int k = 0; k < 4; k++) {
+                long long i = i0 + k;
+                if (i >= 0 && i < (long long)nbytes) pa[4 * w + k] = src[i];
+            }
+        }
+    }
+}
+/* Writes plane j of the n elements at bsrc to dst (any alignment), coalesced; all threads. */
+template <int LAYOUT, int ISZ> __device__ void coop_plane(u8 *dst, const u8 *bsrc, u32 n, int j) {
+    const u32 mis = (u32)((size_t)dst & 3);
+    u8 *pa = dst - mis;
+    const u32 W = (mis + n + 3) / 4;
+    for (u32 w = threadIdx.x; w < W; w += TPB) {
+        long long i0 = 4ll * w - mis;
+        if (w > 0 && i0 + 4 <= (long long)n) {
+            u32 i = (u32)i0, v = 0;
+#pragma unroll
+            for (int k = 0; k < 4; k++) v |= plane_byte<LAYOUT, ISZ>(bsrc, i + k, j) << (8 * k);
+            *(u32 *)(pa + 4 * w) = v;
+        } else {
+            for (int k = 0; k < 4; k++) {
+                long long i = i0 + k;
+                if (i >= 0 && i < (long long)n) pa[4 * w + k] = (u8)plane_byte<LAYOUT, ISZ>(bsrc, (u32)i, j);
+            }
+        }
+    }
+}
+
+/* encode_stream: LSB-first bit writer to any alignment; whole aligned words are stored as
+ * words, the partial first and last words byte by byte (they are shared with neighbours). */
+struct BitWriter {
+    u64 acc;
+    int nb;
+    u8 *qa;
+    u32 head;
+    bool first;
+    __device__ __forceinline__ void init(u8 *q) {
+        head = (u32)((size_t)q & 3);
+        qa = q - head;
+        acc = 0;
+        nb = 8 * head;
+        first = true;
+    }
+    __device__ __forceinline__ void put(u32 code, u32 l) {
+        acc |= (u64)code << nb;
+        nb += l;
+        if (nb >= 32) {
+            u32 w = (u32)acc;
+            if (first && head) {
+                for (u32 i = head; i < 4; i++) qa[i] = (u8)(w >> (8 * i));
+            } else {
+                *(u32 *)qa = w;
+            }
+            first = false;
+            qa += 4;
+            acc >>= 32;
+            nb -= 32;
+        }
+    }
+    __device__ __forceinline__ void finish() {
+        u32 nbytes = (nb + 7) / 8, w = (u32)acc;
+        for (u32 i = first ? head : 0; i < nbytes; i++) qa[i] = (u8)(w >> (8 * i));
+    }
+};
+
+/* Pass 2 (encode_block's output): writes each block's payload at its final offset and its
+ * block-table entry (payload bytes, crc_original, crc_payload).
+ *   src, numel, S, cp    as uz_enc_stats          info     uz_enc_stats' records
+ *   offsets              uz_scan's exclusive prefix of payload sizes
+ *   out                  the frame buffer; payloads start at payload_offset, the table at table_offset */
+template <int LAYOUT, int ISZ>
+__device__ void enc_write(const u8 *__restrict__ src, u64 numel, u32 S, int cp, const u8 *__restrict__ info,
+                          const u64 *__restrict__ offsets, u8 *out, u64 payload_offset, u64 table_offset) {
+    constexpr int P = Lay<LAYOUT, ISZ>::P;
+    __shared__ __align__(16) u32 sm_crc[256 * CRC_REP];
+    __shared__ u32 code[256];
+    __shared__ u32 len[256];
+    __shared__ u32 red[2 * TPB];
+    const u32 b = blockIdx.x, t = threadIdx.x;
+    const u64 first = (u64)b * TPB * S;
+    const u32 n = (u32)min((u64)TPB * S, numel - first);
+    const u8 *bsrc = src + first * ISZ;
+    const u32 *inf = (const u32 *)(info + (size_t)b * INFO_BYTES);
+    const u32 size = inf[0], crc_orig = inf[1], mode = inf[2];
+    u8 *dst = out + payload_offset + offsets[b];
+    load_crc_table(sm_crc);
+    if (mode == BLOCK_RAW) {
+        if (t == 0) dst[0] = BLOCK_RAW;
+        coop_copy_to_unaligned(dst + 1, bsrc, n * ISZ);
+    } else {
+        const u32 cmode = inf[3], lo = inf[4], hi = inf[5], total = inf[7], k = inf[8], nib = inf[9];
+        if (t == 0) dst[0] = BLOCK_DENSE;
+        u8 *p = dst + 1;
+        for (int j = 0; j < P; j++) {
+            if (j == cp && cmode == PLANE_CONST) {
+                if (t == 0) { p[0] = PLANE_CONST; p[1] = (u8)inf[6]; }
+                p += 2;
+            } else if (j == cp && cmode == PLANE_HUFF) {
+                const u8 *ilen = info + (size_t)b * INFO_BYTES + 64;
+                for (int s = t; s < 256; s += TPB) len[s] = ilen[s];
+                __syncthreads();
+                if (t == 0) {
+                    /* assign_codes: canonical, (length, symbol) order, stored bit-reversed */
+                    u32 cntl[MAX_CODE_LEN + 2], next[MAX_CODE_LEN + 2];
+                    for (int l = 0; l <= MAX_CODE_LEN; l++) cntl[l] = 0;
+                    for (int s = 0; s < 256; s++) cntl[len[s]]++;
+                    cntl[0] = 0;
+                    u32 cc = 0;
+                    for (int l = 1; l <= MAX_CODE_LEN; l++) { cc = (cc + cntl[l - 1]) << 1; next[l] = cc; }
+                    for (int s = 0; s < 256; s++)
+                        if (len[s]) code[s] = __brev(next[len[s]]++) >> (32 - len[s]);
+                    p[0] = PLANE_HUFF; p[1] = (u8)lo; p[2] = (u8)(hi - lo);
+                    for (u32 s = lo, q = 3; s <= hi; s += 2, q++)
+                        p[q] = (u8)(len[s] | ((s + 1 <= hi ? len[s + 1] : 0) << 4));
+                }
+                __syncthreads();
+                const u16 *iends = (const u16 *)(info + (size_t)b * INFO_BYTES + 320);
+                u8 *ends = p + 3 + nib, *data = ends + 2 * k;
+                if (t < k) {
+                    u32 endt = iends[t], start = t ? iends[t - 1] : 0;
+                    ends[2 * t] = (u8)endt; ends[2 * t + 1] = (u8)(endt >> 8);
+                    BitWriter bw;
+                    bw.init(data + start);
+                    u32 a = t * S, e = min(a + S, n), i = a;
+                    if (ISZ <= 4) {
+                        for (; i + 16 <= e; i += 16) {
+                            u32 wds[4 * ISZ];
+                            const uint4 *q = (const uint4 *)(bsrc + (size_t)i * ISZ);
+#pragma unroll
+                            for (int kk = 0; kk < ISZ; kk++) {
+                                uint4 v = q[kk];
+                                wds[4 * kk] = v.x; wds[4 * kk + 1] = v.y; wds[4 * kk + 2] = v.z; wds[4 * kk + 3] = v.w;
+                            }
+#pragma unroll
+                            for (int el = 0; el < 16; el++) {
+                                u32 s = plane_sym<LAYOUT, ISZ>(elem_of<ISZ>(wds, el), cp);
+                                bw.put(code[s], len[s]);
+                            }
+                        }
+                    }
+                    for (; i < e; i++) {
+                        u32 s = plane_byte<LAYOUT, ISZ>(bsrc, i, cp);
+                        bw.put(code[s], len[s]);
+                    }
+                    bw.finish();
+                }
+                p = data + total;
+            } else {
+                if (t == 0) p[0] = PLANE_RAW;
+                coop_plane<LAYOUT, ISZ>(p + 1, bsrc, n, j);
+                p += 1 + n;
+            }
+        }
+    }
+    __syncthreads();
+    u32 crc_pay = crc_parallel(sm_crc, dst, size, red);
+    if (t == 0) {
+        u32 *te = (u32 *)(out + table_offset + 12ull * b);
+        te[0] = size; te[1] = crc_orig; te[2] = crc_pay;
+    }
+}
+
+/* Writes the 40-byte header and dims (h[0..12], prepared by the host with frame_nbytes 0),
+ * patches frame_nbytes from *total, then the header CRC at payload_offset - 4. One CUDA block. */
+extern "C" __global__ void uz_enc_header(u8 *out, const u64 *__restrict__ total, u32 hwords, u64 payload_offset,
+                                         u64 h0, u64 h1, u64 h2, u64 h3, u64 h4, u64 h5, u64 h6, u64 h7, u64 h8,
+                                         u64 h9, u64 h10, u64 h11, u64 h12) {
+    __shared__ __align__(16) u32 sm_crc[256 * CRC_REP];
+    __shared__ u32 red[2 * TPB];
+    load_crc_table(sm_crc);
+    if (threadIdx.x == 0) {
+        u64 h[13] = {h0, h1, h2, h3, h4, h5, h6, h7, h8, h9, h10, h11, h12};
+        h[2] = *total; /* frame_nbytes at byte 16 */
+        for (u32 i = 0; i < hwords; i++) ((u64 *)out)[i] = h[i];
+    }
+    __syncthreads();
+    u32 c = crc_parallel(sm_crc, out, payload_offset - 4, red);
+    if (threadIdx.x == 0) *(u32 *)(out + payload_offset - 4) = c;
+}
+
+/* ======================= decoder ======================= */
+
+struct BlockCtx {
+    const u8 *blk;
+    u32 size, crc_o, crc_p, n;
+    u64 first;
+    bool ok;
+};
+/* Reads block b's table entry and checks that its payload lies inside the frame. */
+__device__ __forceinline__ BlockCtx block_ctx(const u8 *frame, u64 payload_offset, u64 payload_len, u64 table_offset,
+                                              const u64 *offsets, u64 numel, u32 block_elems, u32 b) {
+    BlockCtx c;
+    const u32 *te = (const u32 *)(frame + table_offset + 12ull * b);
+    c.size = te[0]; c.crc_o = te[1]; c.crc_p = te[2];
+    u64 off = offsets[b];
+    c.ok = off <= payload_len && c.size <= payload_len - off;
+    if (!c.ok) c.size = 0;
+    c.blk = frame + payload_offset + (c.ok ? off : 0);
+    c.first = (u64)b * block_elems;
+    c.n = (u32)min((u64)block_elems, numel - c.first);
+    return c;
+}
+
+/* decode_block for RAW blocks and DENSE blocks with at most one HUFF plane; other blocks go
+ * to clist for uz_dec_slow. One CUDA block (TPB threads) per codec block.
+ *   frame            the whole frame on the device (16-byte aligned)
+ *   payload_offset   where payloads start; payload_len = frame_nbytes - payload_offset
+ *   table_offset     where the block table starts
+ *   offsets          uz_scan's exclusive prefix of payload sizes
+ *   numel, block_elems, S  from the (host-validated) header; S = substream_elems
+ *   out              decoded tensor bytes (16-byte aligned)
+ *   err              u64 error word: min over (block << 8 | code); ~0 when clean
+ *   clist, ccount    queue of blocks for uz_dec_slow                                         */
+template <int LAYOUT, int ISZ>
+__device__ void dec_fast(const u8 *__restrict__ frame, u64 payload_offset, u64 payload_len, u64 table_offset,
+                         const u64 *__restrict__ offsets, u64 numel, u32 block_elems, u32 S, u8 *__restrict__ out,
+                         u64 *err, u32 *clist, u32 *ccount) {
+    constexpr int P = Lay<LAYOUT, ISZ>::P;
+    __shared__ __align__(16) u32 sm_crc[256 * CRC_REP];
+    __shared__ u16 lut[LUT_SIZE];
+    __shared__ u32 scratch[36 + 256 + 4];
+    __shared__ u32 red[2 * TPB];
+    __shared__ u32 pm[MAX_PLANES], pc[MAX_PLANES];
+    __shared__ const u8 *pr[MAX_PLANES];
+    __shared__ HuffPlane hp;
+    __shared__ int hidx;
+    __shared__ u32 status;
+    const u32 b = blockIdx.x, t = threadIdx.x;
+    BlockCtx bc = block_ctx(frame, payload_offset, payload_len, table_offset, offsets, numel, block_elems, b);
+    load_crc_table(sm_crc);
+    __syncthreads();
+    u32 crc = crc_parallel(sm_crc, bc.blk, bc.size, red);
+    if (t == 0) {
+        u32 st = 0, code = 0;
+        hidx = -1;
+        const u8 *p = bc.blk, *end = bc.blk + bc.size;
+        if (!bc.ok) code = E_TOTAL;
+        else if (crc != bc.crc_p) code = E_PAYLOAD_CRC;
+        else if (bc.size < 1) code = E_EMPTY;
+        else {
+            u32 mode = *p++;
+            if (mode == BLOCK_RAW) {
+                if (bc.size != 1 + bc.n * ISZ) code = E_RAW_SIZE;
+                st = 3;
+            } else if (mode == BLOCK_DENSE) {
+                for (int j = 0; j < P && !code; j++) {
+                    u32 m = 0, cv = 0;
+                    const u8 *raw = 0;
+                    HuffPlane h;
+                    code = parse_plane(p, end, bc.n, S, m, cv, raw, h);
+                    pm[j] = m; pc[j] = cv; pr[j] = raw;
+                    if (!code && m == PLANE_HUFF) {
+                        if (hidx >= 0) st = 2;
+                        else { hidx = j; hp = h; }
+                    }
+                }
+                if (!code && p != end) code = E_TRAILING;
+            } else if (mode == BLOCK_SPARSE) {
+                st = 2;
+            } else {
+                code = E_MODE;
+            }
+        }
+        if (code) { report(err, b, code); st = 1; }
+        if (st == 2) clist[atomicAdd(ccount, 1u)] = b;
+        status = st;
+    }
+    __syncthreads();
+    const u32 st = status;
+    if (st == 1 || st == 2) return;
+    u8 *bout = out + bc.first * ISZ;
+    const u32 rep = t & (CRC_REP - 1);
+    u32 c = 0xFFFFFFFFu, mylen = 0;
+    if (st == 3) {
+        /* RAW block: contiguous 16-byte-multiple chunks per thread */
+        const u32 N = bc.n * ISZ;
+        const u32 chunk = ((N + TPB - 1) / TPB + 15) & ~15u;
+        const u32 a = min(t * chunk, N), e = min(a + chunk, N);
+        const u8 *s = bc.blk + 1;
+        u32 i = a;
+        for (; i + 16 <= e; i += 16) {
+            u32 w[4];
+            load16u(s + i, w);
+            *(uint4 *)(bout + i) = make_uint4(w[0], w[1], w[2], w[3]);
+            c = crc_word(sm_crc, c, w[0], rep); c = crc_word(sm_crc, c, w[1], rep);
+            c = crc_word(sm_crc, c, w[2], rep); c = crc_word(sm_crc, c, w[3], rep);
+        }
+        for (; i < e; i++) { u8 v = s[i]; bout[i] = v; c = crc_byte(sm_crc, c, v, rep); }
+        mylen = e - a;
+    } else {
+        const int h = hidx;
+        bool ok = true;
+        if (h >= 0) ok = build_lut_dev(hp, lut, scratch);
+        if (!ok) {
+            if (t == 0) report(err, b, E_HUFF_KRAFT);
+            return;
+        }
+        u32 j0, j1, seg;
+        if (h >= 0) {
+            const u32 per = (hp.k + TPB - 1) / TPB;
+            j0 = min(t * per, hp.k); j1 = min(j0 + per, hp.k); seg = S;
+        } else {
+            seg = ((bc.n + TPB - 1) / TPB + 15) & ~15u;
+            const u32 ns = (bc.n + seg - 1) / seg;
+            j0 = min(t, ns); j1 = min(t + 1, ns);
+        }
+        u32 bad = 0;
+        for (u32 j = j0; j < j1; j++) {
+            const u32 ss = j * seg, se = min(ss + seg, bc.n);
+            HuffReader rd;
+            u32 start = 0, stop = 0;
+            if (h >= 0) {
+                start = j ? ld_u16(hp.ends + 2 * (j - 1)) : 0;
+                stop = ld_u16(hp.ends + 2 * j);
+                if (stop < start || stop > hp.total) { bad = E_ENDS_BACK; break; }
+                rd.init(hp.data + start, stop - start);
+            }
+            u32 i = ss;
+            for (; i + 16 <= se; i += 16) {
+                u32 pw[P][4];
+#pragma unroll
+                for (int q = 0; q < P; q++) {
+                    if (q == h) {
+                        pw[q][0] = rd.dec4(lut); pw[q][1] = rd.dec4(lut);
+                        pw[q][2] = rd.dec4(lut); pw[q][3] = rd.dec4(lut);
+                    } else if (pm[q] == PLANE_RAW) {
+                        load16u(pr[q] + i, pw[q]);
+                    } else {
+                        u32 v = pc[q] * 0x01010101u;
+                        pw[q][0] = pw[q][1] = pw[q][2] = pw[q][3] = v;
+                    }
+                }
+                u32 o[4 * ISZ];
+                merge16<LAYOUT, ISZ>(pw, o);
+                uint4 *dst = (uint4 *)(bout + (size_t)i * ISZ);
+#pragma unroll
+                for (int q = 0; q < ISZ; q++) {
+                    dst[q] = make_uint4(o[4 * q], o[4 * q + 1], o[4 * q + 2], o[4 * q + 3]);
+                    c = crc_word(sm_crc, c, o[4 * q], rep); c = crc_word(sm_crc, c, o[4 * q + 1], rep);
+                    c = crc_word(sm_crc, c, o[4 * q + 2], rep); c = crc_word(sm_crc, c, o[4 * q + 3], rep);
+                }
+            }
+            for (; i < se; i++) {
+                u32 pb[P];
+                for (int q = 0; q < P; q++)
+                    pb[q] = q == h ? rd.dec1(lut) : (pm[q] == PLANE_RAW ? pr[q][i] : pc[q]);
+                u8 ob[ISZ];
+                merge1<LAYOUT, ISZ>(pb, ob);
+                for (int q = 0; q < ISZ; q++) {
+                    bout[(size_t)i * ISZ + q] = ob[q];
+                    c = crc_byte(sm_crc, c, ob[q], rep);
+                }
+            }
+            if (h >= 0 && !rd.ok(stop - start)) { bad = E_STREAM; break; }
+        }
+        if (bad) report(err, b, bad);
+        mylen = (j1 > j0 ? (min(j1 * seg, bc.n) - j0 * seg) : 0) * ISZ;
+    }
+    u32 crc_out = crc_block_combine(~c, mylen, red);
+    if (t == 0 && crc_out != bc.crc_o) report(err, b, E_ORIG_CRC);
+}
+
+/* decode_block for the blocks uz_dec_fast queued (SPARSE, or several HUFF planes): each
+ * plane is decoded into a per-CUDA-block scratch slot in global memory, then merged
+ * element by element. Persistent grid; arguments as uz_dec_fast, plus
+ *   scratch, slot_bytes   gridDim.x slots of (P + 1) * block_elems bytes                      */
+template <int LAYOUT, int ISZ>
+__device__ void dec_slow(const u8 *__restrict__ frame, u64 payload_offset, u64 payload_len, u64 table_offset,
+                         const u64 *__restrict__ offsets, u64 numel, u32 block_elems, u32 S, u8 *__restrict__ out,
+                         u64 *err, const u32 *clist, const u32 *ccount, u8 *scratch, u64 slot_bytes) {
+    constexpr int P = Lay<LAYOUT, ISZ>::P;
+    __shared__ __align__(16) u32 sm_crc[256 * CRC_REP];
+    __shared__ u16 lut[LUT_SIZE];
+    __shared__ u32 scr[36 + 256 + 4];
+    __shared__ u32 red[2 * TPB];
+    __shared__ u32 pm[MAX_PLANES + 1], pc[MAX_PLANES + 1];
+    __shared__ const u8 *pr[MAX_PLANES + 1];
+    __shared__ HuffPlane hps[MAX_PLANES + 1];
+    __shared__ u32 status, sm_m, sparse;
+    __shared__ u32 pre[TPB];
+    const u32 t = threadIdx.x;
+    load_crc_table(sm_crc);
+    __syncthreads();
+    const u32 count = *ccount;
+    u8 *slot = scratch + slot_bytes * blockIdx.x;
+    for (u32 idx = blockIdx.x; idx < count; idx += gridDim.x) {
+        const u32 b = clist[idx];
+        BlockCtx bc = block_ctx(frame, payload_offset, payload_len, table_offset, offsets, numel, block_elems, b);
+        const u32 n = bc.n, nmask = (n + 7) / 8;
+        if (t == 0) {
+            u32 code = 0;
+            const u8 *p = bc.blk + 1, *end = bc.blk + bc.size;
+            u32 mode = bc.blk[0], cnt = n;
+            sparse = mode == BLOCK_SPARSE;
+            if (sparse) {
+                if (end - p < 4) code = E_SPARSE_HDR;
+                else {
+                    sm_m = ld_u32(p);
+                    p += 4;
+                    cnt = sm_m;
+                    if (sm_m > n) code = E_SPARSE_M;
+                    else code = parse_plane(p, end, nmask, S, pm[P], pc[P], pr[P], hps[P]);
+                }
+            }
+            for (int j = 0; j < P && !code; j++) code = parse_plane(p, end, cnt, S, pm[j], pc[j], pr[j], hps[j]);
+            if (!code && p != end) code = E_TRAILING;
+            if (code) report(err, b, code);
+            status = code;
+        }
+        __syncthreads();
+        if (status) { __syncthreads(); continue; }
+        const int np = sparse ? P + 1 : P;
+        u32 bad = 0;
+        for (int j = 0; j < np; j++) {
+            if (pm[j] != PLANE_HUFF) continue;
+            const HuffPlane &h = hps[j];
+            if (!build_lut_dev(h, lut, scr)) { bad = E_HUFF_KRAFT; break; }
+            u8 *buf = slot + (size_t)j * block_elems;
+            const u32 per = (h.k + TPB - 1) / TPB;
+            const u32 j0 = min(t * per, h.k), j1 = min(j0 + per, h.k);
+            for (u32 s = j0; s < j1 && !bad; s++) {
+                u32 start = s ? ld_u16(h.ends + 2 * (s - 1)) : 0, stop = ld_u16(h.ends + 2 * s);
+                if (stop < start || stop > h.total) { bad = E_ENDS_BACK; break; }
+                HuffReader rd;
+                rd.init(h.data + start, stop - start);
+                const u32 ss = s * S, se = min(ss + S, h.count);
+                for (u32 i = ss; i < se; i++) buf[i] = (u8)rd.dec1(lut);
+                if (!rd.ok(stop - start)) bad = E_STREAM;
+            }
+            __syncthreads();
+        }
+        /* plane byte accessor */
+#define PBYTE(j, i) (pm[j] == PLANE_RAW ? pr[j][i] : (pm[j] == PLANE_CONST ? (u8)pc[j] : slot[(size_t)(j) * block_elems + (i)]))
+        const u32 chunkb = (nmask + TPB - 1) / TPB; /* mask bytes per thread */
+        const u32 ma = min(t * chunkb, nmask), me = min(ma + chunkb, nmask);
+        u32 pop = 0;
+        if (sparse) {
+            for (u32 i = ma; i < me; i++) pop += __popc((u32)PBYTE(P, i));
+            if ((n & 7) && me == nmask && me > ma && (PBYTE(P, nmask - 1) >> (n & 7))) bad = E_SPARSE_PAD;
+        }
+        pre[t] = pop;
+        __syncthreads();
+        if (t == 0) {
+            u32 run = 0;
+            for (int k = 0; k < TPB; k++) { u32 v = pre[k]; pre[k] = run; run += v; }
+            if (sparse && run != sm_m) report(err, b, E_SPARSE_POP);
+        }
+        __syncthreads();
+        u32 cidx = pre[t];
+        const u32 ea = min(ma * 8, n), ee = min(me * 8, n);
+        u32 c = 0xFFFFFFFFu;
+        const u32 rep = t & (CRC_REP - 1);
+        u8 *bout = out + bc.first * ISZ;
+        for (u32 i = ea; i < ee && !bad; i++) {
+            bool nz = !sparse || ((PBYTE(P, i >> 3) >> (i & 7)) & 1);
+            u32 src = sparse ? cidx : i;
+            if (sparse && nz && cidx >= sm_m) { bad = E_SPARSE_POP; break; }
+            u32 pb[P];
+            for (int q = 0; q < P; q++) pb[q] = nz ? PBYTE(q, src) : 0u;
+            if (nz && sparse) cidx++;
+            u8 ob[ISZ];
+            merge1<LAYOUT, ISZ>(pb, ob);
+            for (int q = 0; q < ISZ; q++) {
+                bout[(size_t)i * ISZ + q] = ob[q];
+                c = crc_byte(sm_crc, c, ob[q], rep);
+            }
+        }
+#undef PBYTE
+        if (bad) report(err, b, bad);
+        u32 crc_out = crc_block_combine(~c, (ee - ea) * ISZ, red);
+        if (t == 0 && crc_out != bc.crc_o) report(err, b, E_ORIG_CRC);
+        __syncthreads();
+    }
+}
+
+/* ---- extern "C" entry points, one set per (layout, itemsize) ---- */
+#define UZ_INSTANTIATE(NAME, LAYOUT, ISZ)                                                                        \
+    extern "C" __global__ void __launch_bounds__(TPB) uz_enc_stats_##NAME(const u8 *src, u64 numel, u32 S, int cp, \
+                                                                          u8 *info) {                            \
+        enc_stats<LAYOUT, ISZ>(src, numel, S, cp, info);                                                         \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(TPB) uz_enc_write_##NAME(const u8 *src, u64 numel, u32 S, int cp, \
+                                                                          const u8 *info, const u64 *offsets,      \
+                                                                          u8 *out, u64 payload_offset,             \
+                                                                          u64 table_offset) {                      \
+        enc_write<LAYOUT, ISZ>(src, numel, S, cp, info, offsets, out, payload_offset, table_offset);            \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(TPB)                                                            \
+        uz_dec_fast_##NAME(const u8 *frame, u64 payload_offset, u64 payload_len, u64 table_offset,               \
+                           const u64 *offsets, u64 numel, u32 block_elems, u32 S, u8 *out, u64 *err, u32 *clist,  \
+                           u32 *ccount) {                                                                        \
+        dec_fast<LAYOUT, ISZ>(frame, payload_offset, payload_len, table_offset, offsets, numel, block_elems, S,   \
+                              out, err, clist, ccount);                                                          \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(TPB)                                                            \
+        uz_dec_slow_##NAME(const u8 *frame, u64 payload_offset, u64 payload_len, u64 table_offset,               \
+                           const u64 *offsets, u64 numel, u32 block_elems, u32 S, u8 *out, u64 *err,              \
+                           const u32 *clist, const u32 *ccount, u8 *scratch, u64 slot_bytes) {                    \
+        dec_slow<LAYOUT, ISZ>(frame, payload_offset, payload_len, table_offset, offsets, numel, block_elems, S,   \
+                              out, err, clist, ccount, scratch, slot_bytes);                                     \
+    }
+
+UZ_INSTANTIATE(bf16, LAYOUT_BF16, 2)
+UZ_INSTANTIATE(fp32, LAYOUT_FP32, 4)
+UZ_INSTANTIATE(b1, LAYOUT_BYTES, 1)
+UZ_INSTANTIATE(b2, LAYOUT_BYTES, 2)
+UZ_INSTANTIATE(b4, LAYOUT_BYTES, 4)
+UZ_INSTANTIATE(b8, LAYOUT_BYTES, 8)
+UZ_INSTANTIATE(b16, LAYOUT_BYTES, 16)
