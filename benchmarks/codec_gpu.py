@@ -111,7 +111,7 @@ def ours(x_list, repeats, check_cpu):
 
 def nvcomp_configs(dtype):
     hint = "<f2" if dtype in (torch.bfloat16, torch.float16) else "<f4"
-    return {"nvcomp-ANS-256K": dict(algorithm="ANS", chunk_size=1 << 18, data_type=hint),
+    return {"nvcomp-ANS-256K": dict(algorithm="ANS", uncomp_chunk_size=1 << 18, data_type=hint),
             "nvcomp-ANS-default": dict(algorithm="ANS"),
             "nvcomp-Bitcomp": dict(algorithm="Bitcomp")}
 

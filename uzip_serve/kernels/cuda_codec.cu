@@ -34,7 +34,8 @@ typedef unsigned long long u64;
 #define TPB 64              /* threads per codec block */
 #define MAX_CODE_LEN 11
 #define LUT_SIZE 2048
-#define CRC_REP 8           /* copies of the CRC table in shared memory (bank conflicts) */
+#define CRC_REP 2           /* copies of each CRC table entry in shared memory (bank conflicts) */
+#define CRC_WORDS (4 * 256 * CRC_REP)
 #define INFO_BYTES 512      /* per-block record written by uz_enc_stats */
 #define MAX_PLANES 16
 
@@ -92,8 +93,16 @@ __device__ __forceinline__ void report(u64 *err, u64 block, u32 code) {
 }
 
 /* ---- CRC32C ---- */
+/* Shared-memory tables: 4 slicing tables (T0 = CRC_TAB, Tk[i] = (Tk-1[i] >> 8) ^
+ * T0[Tk-1[i] & 0xFF], as crc_init_tables), each entry replicated CRC_REP times so lanes
+ * spread over banks. Slicing-by-4 makes the 4 lookups of a word independent: the CRC's
+ * serial chain is one lookup per 4 bytes instead of one per byte. */
 __device__ __forceinline__ void load_crc_table(u32 *s) {
-    for (int i = threadIdx.x; i < 256 * CRC_REP; i += blockDim.x) s[i] = CRC_TAB[i / CRC_REP];
+    for (int i = threadIdx.x; i < 4 * 256; i += blockDim.x) {
+        u32 v = CRC_TAB[i & 255];
+        for (int k = 0; k < (i >> 8); k++) v = (v >> 8) ^ CRC_TAB[v & 0xFFu];
+        for (int r = 0; r < CRC_REP; r++) s[i * CRC_REP + r] = v;
+    }
 }
 __device__ __forceinline__ u32 crc_byte(const u32 *tab, u32 c, u32 b, u32 rep) {
     return (c >> 8) ^ tab[(((c ^ b) & 0xFFu) * CRC_REP) + rep];
@@ -101,11 +110,8 @@ __device__ __forceinline__ u32 crc_byte(const u32 *tab, u32 c, u32 b, u32 rep) {
 /* c is the raw (inverted) CRC state; feeds the 4 bytes of w, low byte first */
 __device__ __forceinline__ u32 crc_word(const u32 *tab, u32 c, u32 w, u32 rep) {
     c ^= w;
-    c = (c >> 8) ^ tab[(c & 0xFFu) * CRC_REP + rep];
-    c = (c >> 8) ^ tab[(c & 0xFFu) * CRC_REP + rep];
-    c = (c >> 8) ^ tab[(c & 0xFFu) * CRC_REP + rep];
-    c = (c >> 8) ^ tab[(c & 0xFFu) * CRC_REP + rep];
-    return c;
+    return tab[((3 * 256) + (c & 0xFFu)) * CRC_REP + rep] ^ tab[((2 * 256) + ((c >> 8) & 0xFFu)) * CRC_REP + rep] ^
+           tab[(256 + ((c >> 16) & 0xFFu)) * CRC_REP + rep] ^ tab[(c >> 24) * CRC_REP + rep];
 }
 /* multmodp of cpu_codec.c */
 __device__ u32 multmodp(u32 a, u32 b) {
@@ -467,7 +473,7 @@ __device__ void build_lengths_tail(const u64 *key, int n, u32 *w, u16 *parent, u
 template <int LAYOUT, int ISZ>
 __device__ void enc_stats(const u8 *__restrict__ src, u64 numel, u32 S, int cp, u8 *__restrict__ info) {
     constexpr int P = Lay<LAYOUT, ISZ>::P;
-    __shared__ __align__(16) u32 sm_crc[256 * CRC_REP];
+    __shared__ __align__(16) u32 sm_crc[CRC_WORDS];
     __shared__ __align__(16) u32 cnt32[256 * TPB / 2];
     __shared__ u32 hist[256];
     __shared__ u8 len[256];
@@ -693,7 +699,7 @@ template <int LAYOUT, int ISZ>
 __device__ void enc_write(const u8 *__restrict__ src, u64 numel, u32 S, int cp, const u8 *__restrict__ info,
                           const u64 *__restrict__ offsets, u8 *out, u64 payload_offset, u64 table_offset) {
     constexpr int P = Lay<LAYOUT, ISZ>::P;
-    __shared__ __align__(16) u32 sm_crc[256 * CRC_REP];
+    __shared__ __align__(16) u32 sm_crc[CRC_WORDS];
     __shared__ u32 code[256];
     __shared__ u32 len[256];
     __shared__ u32 red[2 * TPB];
@@ -786,7 +792,7 @@ __device__ void enc_write(const u8 *__restrict__ src, u64 numel, u32 S, int cp, 
 extern "C" __global__ void uz_enc_header(u8 *out, const u64 *__restrict__ total, u32 hwords, u64 payload_offset,
                                          u64 h0, u64 h1, u64 h2, u64 h3, u64 h4, u64 h5, u64 h6, u64 h7, u64 h8,
                                          u64 h9, u64 h10, u64 h11, u64 h12) {
-    __shared__ __align__(16) u32 sm_crc[256 * CRC_REP];
+    __shared__ __align__(16) u32 sm_crc[CRC_WORDS];
     __shared__ u32 red[2 * TPB];
     load_crc_table(sm_crc);
     if (threadIdx.x == 0) {
@@ -837,7 +843,7 @@ __device__ void dec_fast(const u8 *__restrict__ frame, u64 payload_offset, u64 p
                          const u64 *__restrict__ offsets, u64 numel, u32 block_elems, u32 S, u8 *__restrict__ out,
                          u64 *err, u32 *clist, u32 *ccount) {
     constexpr int P = Lay<LAYOUT, ISZ>::P;
-    __shared__ __align__(16) u32 sm_crc[256 * CRC_REP];
+    __shared__ __align__(16) u32 sm_crc[CRC_WORDS];
     __shared__ u16 lut[LUT_SIZE];
     __shared__ u32 scratch[36 + 256 + 4];
     __shared__ u32 red[2 * TPB];
@@ -990,7 +996,7 @@ __device__ void dec_slow(const u8 *__restrict__ frame, u64 payload_offset, u64 p
                          const u64 *__restrict__ offsets, u64 numel, u32 block_elems, u32 S, u8 *__restrict__ out,
                          u64 *err, const u32 *clist, const u32 *ccount, u8 *scratch, u64 slot_bytes) {
     constexpr int P = Lay<LAYOUT, ISZ>::P;
-    __shared__ __align__(16) u32 sm_crc[256 * CRC_REP];
+    __shared__ __align__(16) u32 sm_crc[CRC_WORDS];
     __shared__ u16 lut[LUT_SIZE];
     __shared__ u32 scr[36 + 256 + 4];
     __shared__ u32 red[2 * TPB];
