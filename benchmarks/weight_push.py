@@ -18,6 +18,7 @@ Writes docs/benchmarks/weight_push.{json,png}. Needs root for the link.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import logging
 import os
@@ -80,7 +81,8 @@ def role_gloo(rank: int, world: int, master: str, repeats: int) -> None:
     import torch.distributed as dist
 
     host, port = master.rsplit(":", 1)
-    dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
     sd = _state_dict() if rank == 0 else {k: torch.empty_like(v) for k, v in _state_dict().items()}
     times = []
     for i in range(repeats + 1):
@@ -155,9 +157,15 @@ def run_uzip(place: Placement, n: int, compression: str, repeats: int, tmp: Path
 
 def run_gloo(place: Placement, n: int, repeats: int) -> list[dict]:
     master = f"{place.trainer_host}:{29500 + n}"
-    procs = [place.popen("a" if r == 0 else "b", ME + ["--role", "gloo", "--rank", str(r), "--world", str(n + 1),
-                                                       "--master", master, "--repeats", str(repeats)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(n + 1)]
+    procs = []
+    for r in range(n + 1):
+        side = "a" if r == 0 else "b"
+        env = dict(os.environ)
+        if place.link:  # gloo would pick its interface from the hostname, which lives outside the namespaces
+            env["GLOO_SOCKET_IFNAME"] = "uz_va" if side == "a" else "uz_vb"
+        procs.append(place.popen(side, ME + ["--role", "gloo", "--rank", str(r), "--world", str(n + 1),
+                                             "--master", master, "--repeats", str(repeats)],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
     try:
         return _result(procs[0], f"gloo broadcast ({n} receivers)")
     finally:

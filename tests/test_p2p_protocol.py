@@ -201,3 +201,23 @@ def test_adaptive_policy_flips_with_link_and_data():
     assert not d.compress and d.link_gbps > 4
     assert AdaptivePolicy("on").decide(100, 1.0).compress
     assert not AdaptivePolicy("off").decide(8 << 20, 0.1).compress
+
+
+def test_cut_through_relay_forwards_every_chunk_unchanged():
+    tensors = mixed_tensors(40, seed=9)
+    config = TransportConfig(chunk_bytes=1 << 20, compression="on")
+
+    async def main():
+        tx, relay_rx = pair()
+        relay_tx, child_rx = pair()
+        with ThreadPoolExecutor(2) as pool:
+            send = split_send.send_tensors(tx, tensors, config=config, policy=AdaptivePolicy("on"), executor=pool)
+            mid = split_send.recv_tensors(relay_rx, config=config, executor=pool, forward=[relay_tx])
+            end = split_send.recv_tensors(child_rx, config=config, executor=pool)
+            return await asyncio.gather(send, mid, end)
+
+    sent, (mid, mid_stats), (end, end_stats) = asyncio.run(main())
+    for k, v in tensors.items():
+        assert torch.equal(bits(mid[k]), bits(v)) and torch.equal(bits(end[k]), bits(v)), k
+    # The relay passed the compressed frames on as they were: same bytes on both hops.
+    assert sent.wire_bytes == mid_stats.wire_bytes == end_stats.wire_bytes < sent.raw_bytes

@@ -330,22 +330,19 @@ class WeightReceiver:
         from uzip_serve import p2p
         from uzip_serve.coordinator import pb
 
-        version, ok, error, wire = 0, False, "", 0
+        version, ok, error, wire, children = 0, False, "", 0, []
         try:
-            envelope = pb.BeginPushResponse.FromString(await ep.recv_bytes())
+            raw_envelope = await ep.recv_bytes()
+            envelope = pb.BeginPushResponse.FromString(raw_envelope)
             version = envelope.version
-            got = await ep.recv_tensors()
-            wire = ep.last_stats.wire_bytes
-            staged = self._check_and_cast(got)
-            for hop in envelope.plan:  # relay to the receivers this one feeds
+            for hop in envelope.plan:  # the receivers this one relays to, cut-through
                 if hop.sender == self.receiver_id:
                     host, port = hop.p2p_address.rsplit(":", 1)
-                    child = await p2p.connect(host, int(port), self._config)
-                    try:
-                        await child.send_bytes(envelope.SerializeToString())
-                        await child.send_tensors(got)
-                    finally:
-                        await child.close()
+                    children.append(await p2p.connect(host, int(port), self._config))
+                    await children[-1].send_bytes(raw_envelope)
+            got = await ep.recv_tensors(forward=children)
+            wire = ep.last_stats.wire_bytes
+            staged = self._check_and_cast(got)
             with self._lock:
                 self._staged[version] = staged
             ok = True
@@ -354,6 +351,8 @@ class WeightReceiver:
             self.last_error = error
             logger.warning("%s: version %d failed: %s", self.receiver_id, version, error)
         finally:
+            for child in children:
+                await child.close()
             ep.abort() if not ok else await ep.close()
         if version:
             await asyncio.to_thread(self._report, version, ok, error, wire)

@@ -73,7 +73,7 @@ def plan_transfers(regs: list["pb.RegisterRequest"], fanout: int) -> list["pb.Tr
 
 class Coordinator:
     def __init__(self, store: Store, *, heartbeat_interval_s: float = 1.0, lease_s: float = 5.0,
-                 default_timeout_s: float = 120.0, fanout: int = 2, metrics=None):
+                 default_timeout_s: float = 120.0, fanout: int = 1, metrics=None):
         self.store = store
         self.heartbeat_interval_s = heartbeat_interval_s
         self.lease_s = lease_s

@@ -135,7 +135,7 @@ def build_server(core: Coordinator, listen: str, *, token: str | None = None, tl
 
 def serve(listen: str, state: str, *, token: str | None = None, tls: tuple[bytes, bytes] | None = None,
           metrics_port: int | None = None, lease_s: float = 5.0, heartbeat_interval_s: float = 1.0,
-          fanout: int = 2, ready: threading.Event | None = None, stop: threading.Event | None = None) -> None:
+          fanout: int = 1, ready: threading.Event | None = None, stop: threading.Event | None = None) -> None:
     metrics = None
     if metrics_port:
         from prometheus_client import start_http_server
@@ -171,7 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tls-key", type=Path)
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     p.add_argument("--lease", type=float, default=5.0, help="seconds without a heartbeat before a receiver is lost")
-    p.add_argument("--fanout", type=int, default=2, help="most receivers one sender feeds directly")
+    p.add_argument("--fanout", type=int, default=1,
+                   help="most receivers one sender feeds directly; 1 = a chain, which sends each byte over the "
+                        "trainer's link once (relays forward chunks cut-through)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if bool(a.tls_cert) != bool(a.tls_key):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Executor
 from typing import Any, Protocol
 
@@ -193,12 +193,19 @@ def _check_into(into: Mapping[str, torch.Tensor], entries: list[proto.TensorEntr
 
 
 async def recv_tensors(channel: Channel, *, config: TransportConfig, executor: Executor,
-                       into: Mapping[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], TransferStats]:
+                       into: Mapping[str, torch.Tensor] | None = None,
+                       forward: Sequence[Channel] = ()) -> tuple[dict[str, torch.Tensor], TransferStats]:
     """Receives one transfer. Tensors are returned only once every chunk arrived and
     passed its checksum; on any failure nothing is returned (an `into` tensor may then
-    hold partial data) and the sender is told why, where the connection still allows."""
+    hold partial data) and the sender is told why, where the connection still allows.
+
+    `forward` relays the transfer, cut-through: every message is passed on to each of
+    these channels as it arrives (compressed chunks as they are, never recompressed),
+    so a chain of receivers costs one slow-link transfer plus a chunk per hop. Returns
+    once the relayed peers acknowledged too."""
+    relay = _Relay(forward)
     try:
-        result = await _recv_tensors(channel, config, executor, into)
+        result = await _recv_tensors(channel, config, executor, into, relay)
     except (ChecksumError, ProtocolError) as e:
         status = proto.ACK_CHECKSUM if isinstance(e, ChecksumError) else proto.ACK_PROTOCOL
         try:
@@ -206,19 +213,52 @@ async def recv_tensors(channel: Channel, *, config: TransportConfig, executor: E
         except Exception:  # noqa: BLE001 - best effort; the original error is what matters
             pass
         raise
+    finally:
+        await relay.drain()
     await channel.send(proto.ACK.pack(proto.ACK_OK, 0))
+    await relay.acks()
     return result
 
 
-async def _recv_tensors(channel, config, executor, into):
+class _Relay:
+    """Passes every received message on to downstream channels, in order, without
+    holding up the receive: each send is posted at once and awaited only before its
+    buffer could be reused."""
+
+    def __init__(self, channels: Sequence[Channel]):
+        self.channels = list(channels)
+        self.inflight: list[asyncio.Future] = []
+
+    def pass_on(self, buf) -> list[asyncio.Future]:
+        futs = [asyncio.ensure_future(c.send(buf)) for c in self.channels]
+        self.inflight.extend(futs)
+        return futs
+
+    async def drain(self) -> None:
+        if self.inflight:
+            await asyncio.gather(*self.inflight)
+            self.inflight.clear()
+
+    async def acks(self) -> None:
+        for c in self.channels:
+            ack = bytearray(proto.ACK.size)
+            await c.recv(ack)
+            status, _ = proto.ACK.unpack(ack)
+            if status != proto.ACK_OK:
+                raise ChecksumError(f"a relayed peer rejected the transfer (status {status})")
+
+
+async def _recv_tensors(channel, config, executor, into, relay: _Relay):
     loop = asyncio.get_running_loop()
     t_start = time.perf_counter()
     head = bytearray(proto.TRANSFER_HEADER.size)
     await channel.recv(head)
     header = proto.TransferHeader.unpack(head, max_manifest_bytes=config.max_manifest_bytes)
+    relay.pass_on(head)
     manifest = bytearray(header.manifest_nbytes)
     if manifest:
         await channel.recv(manifest)
+        relay.pass_on(manifest)
     entries = proto.decode_manifest(manifest, max_tensors=config.max_tensors) if manifest else []
     chunks = proto.plan_chunks(entries, header.chunk_bytes)
     if len(chunks) != header.num_chunks:
@@ -235,6 +275,7 @@ async def _recv_tensors(channel, config, executor, into):
     cap = fmt.max_compressed_size(header.chunk_bytes, "uint8")
     staging = [bytearray(cap), bytearray(cap)]
     pending: list[asyncio.Future | None] = [None, None]
+    relayed: list[list[asyncio.Future]] = [[], []]  # sends still reading each staging buffer
 
     def finish(k: int, ch: proto.ChunkHeader, payload) -> None:
         """Decodes or verifies chunk k and scatters it into the destination tensors."""
@@ -262,6 +303,7 @@ async def _recv_tensors(channel, config, executor, into):
         hb = bytearray(proto.CHUNK_HEADER.size)
         await channel.recv(hb)
         ch = proto.ChunkHeader.unpack(hb)
+        relay.pass_on(hb)
         if ch.index != k or ch.raw_nbytes != chunk.nbytes:
             raise ProtocolError(f"chunk {ch.index} ({ch.raw_nbytes} bytes) arrived where chunk {k} "
                                 f"({chunk.nbytes} bytes) was due")
@@ -271,6 +313,9 @@ async def _recv_tensors(channel, config, executor, into):
         if pending[slot] is not None:  # this staging buffer is still being decoded
             await pending[slot]
             pending[slot] = None
+        if relayed[slot]:  # ...or still being relayed
+            await asyncio.gather(*relayed[slot])
+            relayed[slot] = []
         single = len(chunk.pieces) == 1 and flats[chunk.pieces[0].tensor].device.type == "cpu"
         if ch.codec == proto.CODEC_RAW and single:
             p = chunk.pieces[0]
@@ -278,6 +323,7 @@ async def _recv_tensors(channel, config, executor, into):
         else:
             payload = memoryview(staging[slot])[: ch.wire_nbytes]
         await channel.recv(payload)
+        relayed[slot] = relay.pass_on(payload)
         stats.wire_bytes += ch.wire_nbytes
         stats.chunks_compressed += ch.codec == proto.CODEC_UZIP
         pending[slot] = loop.run_in_executor(executor, finish, k, ch, payload)

@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from uzip_serve.p2p import split_send
 from uzip_serve.p2p.adaptive import AdaptivePolicy, TransferStats
 from uzip_serve.p2p.config import TransportConfig
-from uzip_serve.p2p.errors import ChecksumError, PeerError, ProtocolError, TransferError, TransferTimeout
+from uzip_serve.p2p.errors import PeerError, ProtocolError, TransferError, TransferTimeout
 
 logger = logging.getLogger(__name__)
 
@@ -120,13 +120,14 @@ class Endpoint:
             self.abort()
             raise
 
-    async def recv_tensors(self, into=None) -> dict:
-        """Receives one transfer: a new dict of tensors, or written into `into`'s tensors."""
+    async def recv_tensors(self, into=None, forward: list["Endpoint"] = ()) -> dict:
+        """Receives one transfer: a new dict of tensors, or written into `into`'s tensors.
+        `forward` relays it, cut-through, to other endpoints (see split_send)."""
         try:
             out, self.last_stats = await split_send.recv_tensors(self, config=self.config, executor=self._executor,
-                                                                 into=into)
+                                                                 into=into, forward=forward)
             return out
-        except (TransferError, ChecksumError):
+        except TransferError:
             self.abort()
             raise
 
