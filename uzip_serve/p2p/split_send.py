@@ -281,10 +281,22 @@ async def _recv_tensors(channel, config, executor, into, relay: _Relay):
         """Decodes or verifies chunk k and scatters it into the destination tensors."""
         chunk = chunks[k]
         if ch.codec == proto.CODEC_UZIP:
+            p0 = chunk.pieces[0]
+            dst = flats[p0.tensor][p0.start:p0.start + p0.nbytes]
+            # One slice of one host tensor: decode straight into it, no staging copy.
+            direct = len(chunk.pieces) == 1 and dst.device.type == "cpu"
             try:
+                if direct:
+                    typed = _typed(dst, chunk.dtype)
+                    if uz.read_header(payload).shape != tuple(typed.shape):
+                        raise ProtocolError(f"chunk {k}: frame shape differs from the plan")
+                    uz.decompress(payload, out=typed, threads=threads)
+                    return
                 data = uz.decompress(payload, threads=threads)
             except uz.FrameError as e:
                 raise ChecksumError(f"chunk {k}: {e}") from None
+            except ValueError as e:  # a valid frame of another dtype or shape than planned
+                raise ProtocolError(f"chunk {k}: {e}") from None
             data = data.reshape(-1).view(torch.uint8)
             if data.numel() != chunk.nbytes:
                 raise ProtocolError(f"chunk {k}: frame holds {data.numel()} bytes, plan says {chunk.nbytes}")
