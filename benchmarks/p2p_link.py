@@ -61,7 +61,7 @@ def run_receiver(port: int) -> None:
     from uzip_serve import p2p
 
     async def main():
-        lst = await p2p.listen(port, p2p.TransportConfig(ucx_tls="tcp", deadline_s=120))
+        lst = await p2p.listen(port, p2p.TransportConfig.from_env(ucx_tls="tcp", deadline_s=120))
         print("ready", flush=True)
         while True:
             ep = await lst.accept()
@@ -82,7 +82,7 @@ def run_sender(host: str, port: int, mode: str, repeats: int, max_mb: int) -> No
     sd = load_state_dict(max_mb)
 
     async def main():
-        cfg = p2p.TransportConfig(ucx_tls="tcp", deadline_s=120, **MODES[mode])
+        cfg = p2p.TransportConfig.from_env(ucx_tls="tcp", deadline_s=120, **MODES[mode])
         ep = await p2p.connect(host, port, cfg)
         await ep.send_bytes(str(repeats + 1).encode())
         await ep.send_tensors(sd)  # warm-up: page faults, connection ramp-up, link estimate
@@ -103,7 +103,7 @@ def stop_receiver(host: str, port: int) -> None:
     from uzip_serve import p2p
 
     async def main():
-        ep = await p2p.connect(host, port, p2p.TransportConfig(ucx_tls="tcp"))
+        ep = await p2p.connect(host, port, p2p.TransportConfig.from_env(ucx_tls="tcp"))
         await ep.send_bytes(b"0")
         await ep.close()
 

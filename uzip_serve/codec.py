@@ -109,11 +109,12 @@ def compress_into(tensor, out: Buffer, *, threads: int | None = None) -> int:
     return end
 
 
-def compress(tensor, *, threads: int | None = None) -> bytearray:
+def compress(tensor, *, threads: int | None = None) -> memoryview:
     """Compresses a tensor (any dtype, any shape, CPU or CUDA) into a uzip frame.
 
-    Returns a bytearray holding exactly the frame. Lossless: decompress() gives back
-    the same bits, NaN payloads and signed zeros included.
+    Returns a memoryview over exactly the frame (`bytes(frame)` copies it out).
+    Lossless: decompress() gives back the same bits, NaN payloads and signed zeros
+    included.
     """
     if _is_cuda_tensor(tensor):  # [cuda hook] CUDA tensors are coded on their GPU
         if tensor.dim() > fmt.MAX_NDIM:
@@ -121,11 +122,14 @@ def compress(tensor, *, threads: int | None = None) -> bytearray:
         frame = _compress_cuda(tensor)
         if frame is not None:
             return frame
+    import numpy as np
+
     t = _as_host_tensor(tensor)
-    out = bytearray(max_compressed_size(t.numel() * t.element_size(), t.dtype))
+    # np.empty, not bytearray: a bytearray is zero-filled first, a serial pass over the
+    # worst-case size that cost more than the compression's second thread gained.
+    out = np.empty(max_compressed_size(t.numel() * t.element_size(), t.dtype), dtype=np.uint8)
     n = compress_into(t, out, threads=threads)
-    del out[n:]  # shrinks in place; the frame is not copied
-    return out
+    return memoryview(out)[:n]
 
 
 def read_header(buf: Buffer) -> FrameHeader:
@@ -221,7 +225,7 @@ def _compress_cuda(tensor, out=None):
     n = be.compress_device(t, dev_out)
     host = dev_out[:n].cpu().numpy()
     if out is None:
-        return bytearray(host.tobytes())
+        return memoryview(host)
     memoryview(out).cast("B")[:n] = host.data
     return n
 

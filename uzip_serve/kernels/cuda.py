@@ -25,10 +25,11 @@ import numpy as np
 from uzip_serve import format as fmt
 from uzip_serve.format import FrameError, FrameHeader
 
-TPB = 64  # threads per codec block; must match cuda_codec.cu
+TPB = 256  # threads per CUDA block (one per codec block); must match cuda_codec.cu
+ENC_STREAMS = 64  # sub-streams per GPU-encoded block; must match cuda_codec.cu
 INFO_BYTES = 512
-ENC_BLOCK_ELEMS = fmt.DEFAULT_BLOCK_ELEMS  # 65536 = TPB * 1024
-ENC_SUBSTREAM = ENC_BLOCK_ELEMS // TPB
+ENC_BLOCK_ELEMS = fmt.DEFAULT_BLOCK_ELEMS  # 65536 = ENC_STREAMS * 1024
+ENC_SUBSTREAM = ENC_BLOCK_ELEMS // ENC_STREAMS
 NO_ERROR = (1 << 64) - 1
 
 _ERRORS = {
@@ -114,17 +115,35 @@ def _u32(x: int):
     return np.uint32(x)
 
 
+_FUNCS: dict = {}
+
+
+def _function(index: int, name: str):
+    """The kernel `name` on device `index`, looked up once per process (launch overhead)."""
+    f = _FUNCS.get((index, name))
+    if f is None:
+        f = _FUNCS[(index, name)] = _module(index).get_function(name)
+    return f
+
+
 def _launch(tensor_device, name, grid, block, args, stream):
     import cupy
 
-    with cupy.cuda.Device(tensor_device.index or 0):
-        _module(tensor_device.index or 0).get_function(name)((grid,), (block,), args, stream=stream)
+    index = tensor_device.index or 0
+    f = _FUNCS.get((index, name)) or _function(index, name)
+    if cupy.cuda.runtime.getDevice() == index:
+        f((grid,), (block,), args, stream=stream)
+    else:
+        with cupy.cuda.Device(index):
+            f((grid,), (block,), args, stream=stream)
 
 
-def _header_words(dt: fmt.DType, shape, numel, block_elems, substream) -> list[int]:
+@functools.lru_cache(maxsize=1024)
+def _header_words(dt: fmt.DType, shape, numel, block_elems, substream) -> tuple:
+    """The header and dims as 13 u64 kernel arguments, frame_nbytes 0 (patched on the device)."""
     head = fmt.pack_header(dt, tuple(shape), numel, 0, block_elems, substream)
     head = head + b"\0" * (104 - len(head))
-    return list(struct.unpack("<13Q", head))
+    return tuple(_u64(w) for w in struct.unpack("<13Q", head))
 
 
 class CudaCodec:
@@ -161,15 +180,16 @@ class CudaCodec:
         sfx = _kernel_suffix(dt)
         total = size_out.view(torch.uint64) if size_out.dtype == torch.int64 else size_out
         if nblocks:
-            info = torch.empty(nblocks * INFO_BYTES, dtype=torch.uint8, device=dev)
-            offsets = torch.empty(nblocks, dtype=torch.int64, device=dev)
+            # one scratch allocation: per-block info records, then the u64 payload offsets
+            info = torch.empty(nblocks * (INFO_BYTES + 8), dtype=torch.uint8, device=dev)
             cp = _entropy_plane(dt)
-            sp, ip, op = src.data_ptr(), info.data_ptr(), offsets.data_ptr()
+            sp, ip = src.data_ptr(), info.data_ptr()
+            op = ip + nblocks * INFO_BYTES
             _launch(dev, f"uz_enc_stats_{sfx}", nblocks, TPB,
                     (_u64(sp), _u64(numel), _u32(ss), np.int32(cp), _u64(ip)), st)
             _launch(dev, "uz_scan", 1, 1024,
                     (_u64(ip), _u32(INFO_BYTES), _u32(nblocks), _u64(op), _u64(total.data_ptr()),
-                     _u64(payload_offset), _u64(0), np.int32(0), _u64(0)), st)
+                     _u64(payload_offset), _u64(0), np.int32(0), _u64(0), _u64(0)), st)
             _launch(dev, f"uz_enc_write_{sfx}", nblocks, TPB,
                     (_u64(sp), _u64(numel), _u32(ss), np.int32(cp), _u64(ip), _u64(op), _u64(out.data_ptr()),
                      _u64(payload_offset), _u64(table_offset)), st)
@@ -178,9 +198,9 @@ class CudaCodec:
         hw = _header_words(dt, shape, numel, be, ss)
         _launch(dev, "uz_enc_header", 1, TPB,
                 (_u64(out.data_ptr()), _u64(total.data_ptr()), _u32((table_offset + 7) // 8), _u64(payload_offset),
-                 *[_u64(w) for w in hw]), st)
+                 *hw), st)
         if nblocks and stream is not None:  # scratch freed here must outlive the other stream's work
-            for t_ in (src, info, offsets):
+            for t_ in (src, info):
                 t_.record_stream(stream)
 
     def compress_device(self, tensor, out, *, stream=None) -> int:
@@ -210,37 +230,39 @@ class CudaCodec:
         dev = frame.device
         if out is None:
             out = torch.empty(header.shape, dtype=torch_dtype, device=dev)
-        err = torch.full((1,), -1, dtype=torch.int64, device=dev)
         if header.numel == 0:
+            err = torch.full((1,), -1, dtype=torch.int64, device=dev)
             return out if check else (out, err)
+        err = torch.empty(1, dtype=torch.int64, device=dev)  # uz_scan sets it to ~0 first
         if frame.data_ptr() % 16:
             frame = frame.clone()
         if out.data_ptr() % 16:
             raise ValueError("out must be 16-byte aligned")
         st = _stream(stream)
         nb = header.num_blocks
-        offsets = torch.empty(nb, dtype=torch.int64, device=dev)
-        ctrl = torch.zeros(1, dtype=torch.int32, device=dev)
-        clist = torch.empty(nb, dtype=torch.int32, device=dev)
-        payload_len = header.frame_nbytes - header.payload_offset
-        fp, ep = frame.data_ptr(), err.data_ptr()
-        _launch(dev, "uz_scan", 1, 1024,
-                (_u64(fp + header.table_offset), _u32(12), _u32(nb), _u64(offsets.data_ptr()), _u64(0), _u64(0),
-                 _u64(payload_len), np.int32(1), _u64(ep)), st)
-        sfx = _kernel_suffix(dt)
-        common = (_u64(fp), _u64(header.payload_offset), _u64(payload_len), _u64(header.table_offset),
-                  _u64(offsets.data_ptr()), _u64(header.numel), _u32(header.block_elems),
-                  _u32(header.substream_elems), _u64(out.data_ptr()), _u64(ep))
-        _launch(dev, f"uz_dec_fast_{sfx}", nb, TPB, common + (_u64(clist.data_ptr()), _u64(ctrl.data_ptr())), st)
         nplanes = dt.itemsize if dt.layout == fmt.LAYOUT_BYTES else (2 if dt.layout == fmt.LAYOUT_BF16 else 4)
         slots = min(nb, 132 * 2)
         slot_bytes = ((nplanes + 1) * header.block_elems + 15) // 16 * 16
-        scratch = torch.empty(slots * slot_bytes, dtype=torch.uint8, device=dev)
-        _launch(dev, f"uz_dec_slow_{sfx}", slots, TPB,
-                common + (_u64(clist.data_ptr()), _u64(ctrl.data_ptr()), _u64(scratch.data_ptr()),
-                          _u64(slot_bytes)), st)
+        # one scratch allocation: u64 offsets, u32 queue count (set to 0 by uz_scan), u32 queue,
+        # then uz_dec_slow's slots (16-byte aligned)
+        head_bytes = (8 * nb + 4 + 4 * nb + 15) // 16 * 16
+        scratch = torch.empty(head_bytes + slots * slot_bytes, dtype=torch.uint8, device=dev)
+        op = scratch.data_ptr()
+        cp_, lp = op + 8 * nb, op + 8 * nb + 4
+        sp = op + head_bytes
+        payload_len = header.frame_nbytes - header.payload_offset
+        fp, ep = frame.data_ptr(), err.data_ptr()
+        _launch(dev, "uz_scan", 1, 1024,
+                (_u64(fp + header.table_offset), _u32(12), _u32(nb), _u64(op), _u64(0), _u64(0),
+                 _u64(payload_len), np.int32(1), _u64(ep), _u64(cp_)), st)
+        sfx = _kernel_suffix(dt)
+        common = (_u64(fp), _u64(header.payload_offset), _u64(payload_len), _u64(header.table_offset),
+                  _u64(op), _u64(header.numel), _u32(header.block_elems),
+                  _u32(header.substream_elems), _u64(out.data_ptr()), _u64(ep))
+        _launch(dev, f"uz_dec_fast_{sfx}", nb, TPB, common + (_u64(lp), _u64(cp_)), st)
+        _launch(dev, f"uz_dec_slow_{sfx}", slots, TPB, common + (_u64(lp), _u64(cp_), _u64(sp), _u64(slot_bytes)), st)
         if stream is not None:
-            for t_ in (frame, offsets, ctrl, clist, scratch, err):
+            for t_ in (frame, scratch, err):
                 t_.record_stream(stream)
         if not check:
             return out, err

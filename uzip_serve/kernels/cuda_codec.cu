@@ -13,10 +13,10 @@
  *   merge_planes                        merge16 (fast) / merge1 (slow)
  *   encode_block / decode_block         uz_enc_stats + uz_enc_write / uz_dec_fast + uz_dec_slow
  *
- * One codec block is handled by one CUDA block of TPB = 64 threads. Thread t owns a
- * contiguous run of sub-streams (and so a contiguous range of elements and of output
- * bytes), so per-thread CRCs of contiguous chunks are stitched with the GF(2) shift of
- * crc32c_combine. Only portable CUDA C++ is used (no inline PTX); __funnelshift_r,
+ * One codec block is handled by one CUDA block of TPB = 256 threads. Parallel stages (CRCs,
+ * staging, RAW planes, histogram) use all of them on contiguous chunks, whose CRCs are
+ * stitched with the GF(2) shift of crc32c_combine; Huffman sub-streams are serial, one
+ * thread each (GPU frames: ENC_STREAMS = 64 sub-streams of 1024 symbols per block). Only portable CUDA C++ is used (no inline PTX); __funnelshift_r,
  * __brev, __popc and __shfl_xor_sync have direct HIP equivalents.
  *
  * GPU encoder choices (valid frames, may differ from the CPU's): only the "entropy plane"
@@ -31,10 +31,12 @@ typedef unsigned short u16;
 typedef unsigned int u32;
 typedef unsigned long long u64;
 
-#define TPB 64              /* threads per codec block */
+#define TPB 256             /* threads per CUDA block (one CUDA block per codec block) */
+#define ENC_STREAMS 64      /* sub-streams per GPU-encoded block: block_elems = ENC_STREAMS * S */
 #define MAX_CODE_LEN 11
 #define LUT_SIZE 2048
-#define CRC_REP 2           /* copies of each CRC table entry in shared memory (bank conflicts) */
+#define STAGE_BYTES 28672   /* payload prefix uz_dec_fast keeps in shared memory (covers the HUFF plane) */
+#define CRC_REP 1           /* copies of each CRC table entry in shared memory (bank conflicts) */
 #define CRC_WORDS (4 * 256 * CRC_REP)
 #define INFO_BYTES 512      /* per-block record written by uz_enc_stats */
 #define MAX_PLANES 16
@@ -51,7 +53,9 @@ enum {
     E_SPARSE_PAD, E_SPARSE_POP, E_TOTAL
 };
 
-__constant__ u32 CRC_TAB[256] = {
+/* global, not __constant__: load_crc_table reads it with 256 different addresses per step,
+ * which the constant cache would serialize */
+__device__ const u32 CRC_TAB[256] = {
 0x00000000u, 0xf26b8303u, 0xe13b70f7u, 0x1350f3f4u, 0xc79a971fu, 0x35f1141cu, 0x26a1e7e8u, 0xd4ca64ebu,
 0x8ad958cfu, 0x78b2dbccu, 0x6be22838u, 0x9989ab3bu, 0x4d43cfd0u, 0xbf284cd3u, 0xac78bf27u, 0x5e133c24u,
 0x105ec76fu, 0xe235446cu, 0xf165b798u, 0x030e349bu, 0xd7c45070u, 0x25afd373u, 0x36ff2087u, 0xc494a384u,
@@ -98,10 +102,16 @@ __device__ __forceinline__ void report(u64 *err, u64 block, u32 code) {
  * spread over banks. Slicing-by-4 makes the 4 lookups of a word independent: the CRC's
  * serial chain is one lookup per 4 bytes instead of one per byte. */
 __device__ __forceinline__ void load_crc_table(u32 *s) {
-    for (int i = threadIdx.x; i < 4 * 256; i += blockDim.x) {
-        u32 v = CRC_TAB[i & 255];
-        for (int k = 0; k < (i >> 8); k++) v = (v >> 8) ^ CRC_TAB[v & 0xFFu];
-        for (int r = 0; r < CRC_REP; r++) s[i * CRC_REP + r] = v;
+    /* T0 with coalesced loads, then T1..T3 one table per step from the previous one */
+    for (int i = threadIdx.x; i < 256; i += blockDim.x)
+        for (int r = 0; r < CRC_REP; r++) s[i * CRC_REP + r] = CRC_TAB[i];
+    for (int k = 1; k < 4; k++) {
+        __syncthreads();
+        for (int i = threadIdx.x; i < 256; i += blockDim.x) {
+            u32 v = s[((k - 1) * 256 + i) * CRC_REP];
+            v = (v >> 8) ^ s[(v & 0xFFu) * CRC_REP];
+            for (int r = 0; r < CRC_REP; r++) s[(k * 256 + i) * CRC_REP + r] = v;
+        }
     }
 }
 __device__ __forceinline__ u32 crc_byte(const u32 *tab, u32 c, u32 b, u32 rep) {
@@ -113,42 +123,65 @@ __device__ __forceinline__ u32 crc_word(const u32 *tab, u32 c, u32 w, u32 rep) {
     return tab[((3 * 256) + (c & 0xFFu)) * CRC_REP + rep] ^ tab[((2 * 256) + ((c >> 8) & 0xFFu)) * CRC_REP + rep] ^
            tab[(256 + ((c >> 16) & 0xFFu)) * CRC_REP + rep] ^ tab[(c >> 24) * CRC_REP + rep];
 }
+__device__ __forceinline__ u32 crc_uint4(const u32 *tab, u32 c, uint4 v, u32 rep) {
+    c = crc_word(tab, c, v.x, rep); c = crc_word(tab, c, v.y, rep);
+    c = crc_word(tab, c, v.z, rep); return crc_word(tab, c, v.w, rep);
+}
 /* multmodp of cpu_codec.c */
 __device__ u32 multmodp(u32 a, u32 b) {
     u32 p = 0;
-    for (int i = 0; i < 32; i++) {
-        if (a & (1u << (31 - i))) p ^= b;
+    for (; a; a <<= 1) {
+        if (a & 0x80000000u) p ^= b;
         b = (b & 1) ? (b >> 1) ^ 0x82F63B78u : b >> 1;
     }
     return p;
 }
 /* crc32c_combine of cpu_codec.c */
 __device__ u32 crc_combine(u32 a, u32 b, u64 len_b) {
+    if (!len_b) return a ^ b;
     u32 p = 1u << 31;
     for (int k = 3; len_b; len_b >>= 1, k++)
         if (len_b & 1) p = multmodp(X2N[k & 31], p);
     return multmodp(p, a) ^ b;
 }
-/* Combines the finished CRCs of TPB contiguous chunks, thread order = byte order.
- * Returns the CRC of their concatenation to every thread. Uses 2*TPB words of smem. */
-__device__ u32 crc_block_combine(u32 crc, u32 len, u32 *sm) {
-    int t = threadIdx.x;
-    u32 l = len;
+/* One warp: lane 0 gets the CRC of the 32 lanes' chunks in lane order (binary tree). */
+__device__ __forceinline__ void crc_warp_combine(u32 &crc, u32 &l) {
+    const int lane = threadIdx.x & 31;
     for (int d = 1; d < 32; d <<= 1) {
         u32 oc = __shfl_down_sync(0xFFFFFFFFu, crc, d);
         u32 ol = __shfl_down_sync(0xFFFFFFFFu, l, d);
-        if ((t & (2 * d - 1)) == 0) {
+        if ((lane & (2 * d - 1)) == 0) {
             crc = crc_combine(crc, oc, ol);
             l += ol;
         }
     }
+}
+/* Combines the finished CRCs of TPB contiguous chunks, thread order = byte order.
+ * Returns the CRC of their concatenation to every thread. Uses 2*TPB words of smem.
+ * Two tree levels (within warps, then across warps in warp 0): 8 combines deep. */
+__device__ u32 crc_block_combine(u32 crc, u32 len, u32 *sm) {
+    const int t = threadIdx.x, lane = t & 31, w = t >> 5;
+    u32 l = len;
+    crc_warp_combine(crc, l);
     __syncthreads();
-    if ((t & 31) == 0) { sm[t / 32] = crc; sm[TPB + t / 32] = l; }
+    if (lane == 0) { sm[w] = crc; sm[TPB + w] = l; }
+    __syncthreads();
+    if (w == 0) {
+        u32 c2 = lane < TPB / 32 ? sm[lane] : 0u, l2 = lane < TPB / 32 ? sm[TPB + lane] : 0u;
+        crc_warp_combine(c2, l2);
+        if (lane == 0) sm[0] = c2;
+    }
     __syncthreads();
     u32 r = sm[0];
-    for (int w = 1; w < TPB / 32; w++) r = crc_combine(r, sm[w], sm[TPB + w]);
     __syncthreads();
     return r;
+}
+/* crc_block_combine for chunks owned out of order: this thread's chunk is number `pos` in
+ * byte order. ord: 2*TPB words of smem. */
+__device__ u32 crc_block_combine_at(u32 crc, u32 len, u32 pos, u32 *ord, u32 *sm) {
+    ord[pos] = crc; ord[TPB + pos] = len;
+    __syncthreads();
+    return crc_block_combine(ord[threadIdx.x], ord[TPB + threadIdx.x], sm);
 }
 /* CRC (finished) of bytes [p, p+n) of global memory, any alignment, bounds-exact. */
 __device__ u32 crc_bytes(const u32 *tab, const u8 *p, u64 n, u32 rep) {
@@ -156,11 +189,14 @@ __device__ u32 crc_bytes(const u32 *tab, const u8 *p, u64 n, u32 rep) {
     while (n && ((size_t)p & 3)) { c = crc_byte(tab, c, *p++, rep); n--; }
     const u32 *w = (const u32 *)p;
     while (n >= 4 && ((size_t)w & 15)) { c = crc_word(tab, c, *w++, rep); n -= 4; }
-    for (; n >= 16; n -= 16, w += 4) {
-        uint4 v = *(const uint4 *)w;
-        c = crc_word(tab, c, v.x, rep); c = crc_word(tab, c, v.y, rep);
-        c = crc_word(tab, c, v.z, rep); c = crc_word(tab, c, v.w, rep);
+    for (; n >= 64; n -= 64, w += 16) { /* 4 loads in flight before the first use */
+        uint4 v[4];
+#pragma unroll
+        for (int k = 0; k < 4; k++) v[k] = ((const uint4 *)w)[k];
+#pragma unroll
+        for (int k = 0; k < 4; k++) c = crc_uint4(tab, c, v[k], rep);
     }
+    for (; n >= 16; n -= 16, w += 4) c = crc_uint4(tab, c, *(const uint4 *)w, rep);
     for (; n >= 4; n -= 4) c = crc_word(tab, c, *w++, rep);
     p = (const u8 *)w;
     while (n--) c = crc_byte(tab, c, *p++, rep);
@@ -258,17 +294,26 @@ template <int LAYOUT, int ISZ> __device__ __forceinline__ void merge1(const u32 
 }
 
 /* ---- Huffman decoding ---- */
-/* LUT entry (u16): bits 0-7 symbol, 8-11 code length, 15 "no code starts here" */
+/* LUT entry (u32), indexed by the next 11 bits of the stream (LSB first):
+ *   bits 0-7 first symbol, 8-15 second symbol (0 when there is none), 16-19 first code's
+ *   length, 20-24 bits consumed by the pair (= first length when there is no second code),
+ *   25: a second code fits in the 11 bits, 31: no code starts here (length reads as 1).
+ * The 2-symbol entries halve the serial lookup chain, as the CPU decoder's do. */
+#define LUT_LEN1(e) (((e) >> 16) & 0xFu)
+#define LUT_LEN2(e) (((e) >> 20) & 0x1Fu)
+#define LUT_TWO(e) (((e) >> 25) & 1u)
 struct HuffReader {
-    u64 buf;
-    int nb;
-    const u32 *wp, *wend;
-    u32 used, bad;
+    u64 buf;          /* bit buffer, next bit at bit 0 */
+    int nb;           /* valid bits in buf */
+    const u32 *wp, *wend; /* next aligned word to load / end (shared or global memory) */
+    u32 used, bad;    /* bits consumed; nonzero once a lookup hit "no code" */
+    u64 pend;         /* decoded symbols not handed out yet (at most one, low byte first) */
+    u32 npend;
     __device__ __forceinline__ void init(const u8 *p, u32 nbytes) {
         size_t a = (size_t)p;
         wp = (const u32 *)(a & ~(size_t)3);
         wend = (const u32 *)((a + nbytes + 3) & ~(size_t)3);
-        buf = 0; nb = 0; used = 0; bad = 0;
+        buf = 0; nb = 0; used = 0; bad = 0; pend = 0; npend = 0;
         refill(); refill();
         u32 sk = (u32)(a & 3) * 8;
         buf >>= sk; nb -= sk;
@@ -279,26 +324,51 @@ struct HuffReader {
         nb += 32;
         wp++;
     }
-    __device__ __forceinline__ u32 dec(const u16 *lut) {
+    /* one symbol (single-code fields of the entry) */
+    __device__ __forceinline__ u32 dec(const u32 *lut) {
         u32 e = lut[buf & (LUT_SIZE - 1)];
-        u32 l = (e >> 8) & 0xFu;
-        bad |= e >> 15;
+        u32 l = LUT_LEN1(e);
+        bad |= e >> 31;
         buf >>= l; nb -= l; used += l;
         return e & 0xFFu;
     }
-    /* 4 symbols into one word */
-    __device__ __forceinline__ u32 dec4(const u16 *lut) {
-        if (nb < 22) refill();
-        u32 a = dec(lut), b = dec(lut);
-        if (nb < 22) refill();
-        u32 c = dec(lut), d = dec(lut);
-        return a | (b << 8) | (c << 16) | (d << 24);
-    }
-    __device__ __forceinline__ u32 dec1(const u16 *lut) {
+    __device__ __forceinline__ u32 dec1(const u32 *lut) {
+        if (npend) { u32 s = (u32)pend & 0xFFu; pend >>= 8; npend--; return s; }
         if (nb < 11) refill();
         return dec(lut);
     }
-    __device__ __forceinline__ bool ok(u32 nbytes) const { return !bad && (used + 7) / 8 == nbytes; }
+    /* 16 symbols into 4 words with single lookups (for a sub-stream's last 16 symbols) */
+    __device__ __forceinline__ void dec16_single(const u32 *lut, u32 *w) {
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            u32 a = dec1(lut), b = dec1(lut), c = dec1(lut), d = dec1(lut);
+            w[q] = a | (b << 8) | (c << 16) | (d << 24);
+        }
+    }
+    /* 16 symbols into 4 words with pair lookups. The caller guarantees the sub-stream holds
+     * at least one more symbol after these 16, so a pair never reads past its end; the
+     * 17th symbol, if a pair produced it, is kept in pend. */
+    __device__ __forceinline__ void dec16(const u32 *lut, u32 *w) {
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            u64 acc = pend;
+            u32 na = npend, carry = 0;
+            while (na < 8) {
+                if (nb < 32) refill();
+                u32 e = lut[buf & (LUT_SIZE - 1)];
+                u32 l = LUT_LEN2(e), two = LUT_TWO(e);
+                bad |= e >> 31;
+                buf >>= l; nb -= l; used += l;
+                acc |= (u64)(e & 0xFFFFu) << (8 * na); /* at na == 7 the second symbol falls off: carry */
+                if (na == 7) carry = (e >> 8) & 0xFFu;
+                na += 1 + two;
+            }
+            w[2 * h] = (u32)acc; w[2 * h + 1] = (u32)(acc >> 32);
+            npend = na - 8;
+            pend = npend ? carry : 0;
+        }
+    }
+    __device__ __forceinline__ bool ok(u32 nbytes) const { return !bad && npend == 0 && (used + 7) / 8 == nbytes; }
 };
 
 /* Parsed Huffman plane (decode_plane's checks). */
@@ -309,10 +379,10 @@ struct HuffPlane {
     u32 lo, hi, k, total, count;
 };
 
-/* Builds the 2^11-entry LUT in smem from the nibble-coded lengths; all TPB threads.
+/* Builds the 2^11-entry pair LUT in smem from the nibble-coded lengths; all TPB threads.
  * Returns false (to all threads) if the lengths over-subscribe the code space.
  * scratch: >= 256 + 3*12 words of smem. */
-__device__ bool build_lut_dev(const HuffPlane &h, u16 *lut, u32 *scratch) {
+__device__ bool build_lut_dev(const HuffPlane &h, u32 *lut, u32 *scratch) {
     u32 *cnt = scratch, *first = scratch + 12, *offs = scratch + 24, *sorted = scratch + 36, *okp = scratch + 36 + 256;
     if (threadIdx.x == 0) {
         u32 len[256];
@@ -342,17 +412,36 @@ __device__ bool build_lut_dev(const HuffPlane &h, u16 *lut, u32 *scratch) {
     __syncthreads();
     bool ok = *okp;
     if (ok) {
+        /* pass 1: single-code entries */
         for (u32 j = threadIdx.x; j < LUT_SIZE; j += TPB) {
-            u32 r = __brev(j) >> 21, e = (1u << 8) | (1u << 15);
+            u32 r = __brev(j) >> 21, e = (1u << 16) | (1u << 20) | (1u << 31);
             for (int l = 1; l <= MAX_CODE_LEN; l++) {
                 u32 c = r >> (MAX_CODE_LEN - l);
                 if (c - first[l] < cnt[l]) {
-                    e = sorted[offs[l] + c - first[l]] | ((u32)l << 8);
+                    e = sorted[offs[l] + c - first[l]] | ((u32)l << 16) | ((u32)l << 20);
                     break;
                 }
             }
-            lut[j] = (u16)e;
+            lut[j] = e;
         }
+        __syncthreads();
+        /* pass 2: add the second code where it fits in the 11 bits (its unknown high bits
+         * read as 0, which a prefix code of length <= 11 - l1 cannot depend on) */
+        u32 v[LUT_SIZE / TPB];
+#pragma unroll
+        for (int q = 0; q < LUT_SIZE / TPB; q++) {
+            const u32 j = threadIdx.x + q * TPB;
+            u32 e = lut[j];
+            if (!(e >> 31)) {
+                const u32 l1 = LUT_LEN1(e), e2 = lut[j >> l1], l2 = LUT_LEN1(e2);
+                if (!(e2 >> 31) && l1 + l2 <= MAX_CODE_LEN)
+                    e = (e & ~(0x1Fu << 20)) | ((e2 & 0xFFu) << 8) | ((l1 + l2) << 20) | (1u << 25);
+            }
+            v[q] = e;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int q = 0; q < LUT_SIZE / TPB; q++) lut[threadIdx.x + q * TPB] = v[q];
     }
     __syncthreads();
     return ok;
@@ -464,58 +553,72 @@ __device__ void build_lengths_tail(const u64 *key, int n, u32 *w, u16 *parent, u
  * bytes 64..319 code lengths, 320..447 u16 inclusive sub-stream ends. */
 
 /* Pass 1 (encode_block's analysis): CRC of the original block, the entropy plane's histogram
- * (per-thread u16 counters, so each thread also knows its own sub-stream's size), the
- * length-limited code, and the block's payload size. One CUDA block per codec block;
- * block_elems = TPB * S, so thread t encodes exactly sub-stream t.
+ * (per-sub-stream u16 counters, so each sub-stream's exact bit count follows once the code
+ * lengths are known), the length-limited code, and the block's payload size. One CUDA block
+ * of TPB threads per codec block; block_elems = ENC_STREAMS * S. Thread t reads the
+ * contiguous quarter q = t / ENC_STREAMS of sub-stream t % ENC_STREAMS, so the 32 lanes of a
+ * warp count into 32 different counter words (no atomic conflicts inside a warp): the
+ * counter word cnt[s][sub % 32] holds sub-stream sub < 32 in its low half and sub + 32 in
+ * its high half (at most S = 1024 counts each).
  *   src    the tensor's bytes (16-byte aligned)           numel  elements
  *   S      sub-stream elements (block_elems = 64 * S)      cp     entropy plane, -1: RAW blocks
  *   info   out: INFO_BYTES per block (see above)                                              */
 template <int LAYOUT, int ISZ>
 __device__ void enc_stats(const u8 *__restrict__ src, u64 numel, u32 S, int cp, u8 *__restrict__ info) {
     constexpr int P = Lay<LAYOUT, ISZ>::P;
+    constexpr u32 Q = TPB / ENC_STREAMS; /* threads per sub-stream */
     __shared__ __align__(16) u32 sm_crc[CRC_WORDS];
-    __shared__ __align__(16) u32 cnt32[256 * TPB / 2];
+    __shared__ u32 cnt[256 * 32];
     __shared__ u32 hist[256];
     __shared__ u8 len[256];
     __shared__ u32 red[2 * TPB];
-    __shared__ u32 ends_s[TPB];
+    __shared__ u32 ends_s[ENC_STREAMS];
+    __shared__ u64 keys[256];       /* also the (crc, length) reorder buffer: 2 * TPB words */
+    __shared__ u32 wt[512];
+    __shared__ u16 parent[512];
+    __shared__ u8 depth[512];
     __shared__ u32 misc[4];
     const u32 b = blockIdx.x, t = threadIdx.x;
-    const u64 first = (u64)b * TPB * S;
-    const u32 n = (u32)min((u64)TPB * S, numel - first);
+    const u32 sub = t % ENC_STREAMS, q = t / ENC_STREAMS;
+    const u64 first = (u64)b * ENC_STREAMS * S;
+    const u32 n = (u32)min((u64)ENC_STREAMS * S, numel - first);
     const u8 *bsrc = src + first * ISZ;
-    u16 *cnt = (u16 *)cnt32;
     load_crc_table(sm_crc);
     if (cp >= 0)
-        for (int i = t; i < 256 * TPB / 2; i += TPB) cnt32[i] = 0;
+        for (int i = t; i < 256 * 32; i += TPB) cnt[i] = 0;
     __syncthreads();
-    u32 a = min(t * S, n), e = min(a + S, n);
-    const u32 rep = t & (CRC_REP - 1);
+    const u32 qs = S / Q;
+    const u32 a = min(sub * S + q * qs, n), e = min(a + qs, n);
+    const u32 cinc = sub < 32 ? 1u : 0x10000u, ccol = sub & 31;
     u32 c = 0xFFFFFFFFu;
     u32 i = a;
-    for (; i + 16 <= e; i += 16) {
-        u32 wds[4 * ISZ];
-        const uint4 *q = (const uint4 *)(bsrc + (size_t)i * ISZ);
+    /* two 16-element groups per iteration: all their loads issue before the first use */
+    for (; i + 32 <= e; i += 32) {
+        u32 wds[2][4 * ISZ];
+        const uint4 *qp = (const uint4 *)(bsrc + (size_t)i * ISZ);
 #pragma unroll
-        for (int k = 0; k < ISZ; k++) {
-            uint4 v = q[k];
-            wds[4 * k] = v.x; wds[4 * k + 1] = v.y; wds[4 * k + 2] = v.z; wds[4 * k + 3] = v.w;
-        }
+        for (int g = 0; g < 2; g++)
 #pragma unroll
-        for (int k = 0; k < 4 * ISZ; k++) c = crc_word(sm_crc, c, wds[k], rep);
-        if (ISZ <= 4 && cp >= 0) {
+            for (int k = 0; k < ISZ; k++) {
+                uint4 v = qp[g * ISZ + k];
+                wds[g][4 * k] = v.x; wds[g][4 * k + 1] = v.y; wds[g][4 * k + 2] = v.z; wds[g][4 * k + 3] = v.w;
+            }
 #pragma unroll
-            for (int el = 0; el < 16; el++) {
-                u32 s = plane_sym<LAYOUT, ISZ>(elem_of<ISZ>(wds, el), cp);
-                cnt[s * TPB + t]++;
+        for (int g = 0; g < 2; g++) {
+#pragma unroll
+            for (int k = 0; k < 4 * ISZ; k++) c = crc_word(sm_crc, c, wds[g][k], 0);
+            if (ISZ <= 4 && cp >= 0) {
+#pragma unroll
+                for (int el = 0; el < 16; el++)
+                    atomicAdd(&cnt[plane_sym<LAYOUT, ISZ>(elem_of<ISZ>(wds[g], el), cp) * 32 + ccol], cinc);
             }
         }
     }
     for (; i < e; i++) {
-        for (int k = 0; k < ISZ; k++) c = crc_byte(sm_crc, c, bsrc[(size_t)i * ISZ + k], rep);
-        if (ISZ <= 4 && cp >= 0) cnt[plane_byte<LAYOUT, ISZ>(bsrc, i, cp) * TPB + t]++;
+        for (int k = 0; k < ISZ; k++) c = crc_byte(sm_crc, c, bsrc[(size_t)i * ISZ + k], 0);
+        if (ISZ <= 4 && cp >= 0) atomicAdd(&cnt[plane_byte<LAYOUT, ISZ>(bsrc, i, cp) * 32 + ccol], cinc);
     }
-    u32 crc_orig = crc_block_combine(~c, (e - a) * ISZ, red);
+    u32 crc_orig = crc_block_combine_at(~c, (e - a) * ISZ, sub * Q + q, (u32 *)keys, red);
     u32 *inf = (u32 *)(info + (size_t)b * INFO_BYTES);
     if (cp < 0) {
         if (t == 0) { inf[0] = 1 + n * ISZ; inf[1] = crc_orig; inf[2] = BLOCK_RAW; }
@@ -523,15 +626,13 @@ __device__ void enc_stats(const u8 *__restrict__ src, u64 numel, u32 S, int cp, 
     }
     for (int s = t; s < 256; s += TPB) {
         u32 h = 0;
-        for (int k = 0; k < TPB; k++) h += cnt[s * TPB + k];
+        for (int k = 0; k < 32; k++) {
+            u32 v = cnt[s * 32 + ((k + s) & 31)]; /* rotated: lanes hit different banks */
+            h += (v & 0xFFFFu) + (v >> 16);
+        }
         hist[s] = h;
     }
     __syncthreads();
-    /* the CRC table is not needed any more: reuse it for the Huffman tree */
-    u64 *keys = (u64 *)sm_crc;                 /* 256 x u64 */
-    u32 *wt = sm_crc + 512;                    /* 512 x u32 */
-    u16 *parent = (u16 *)(sm_crc + 1024);      /* 512 x u16 */
-    u8 *depth = (u8 *)(sm_crc + 1280);         /* 512 x u8 */
     for (int s = t; s < 256; s += TPB) {
         len[s] = 0;
         if (hist[s]) {
@@ -551,16 +652,18 @@ __device__ void enc_stats(const u8 *__restrict__ src, u64 numel, u32 S, int cp, 
     const u32 used = misc[0], lo = misc[1], hi = misc[2];
     if (used >= 2 && t == 0) build_lengths_tail(keys, (int)used, wt, parent, depth, len);
     __syncthreads();
-    u32 bits = 0;
-    if (used >= 2)
-        for (u32 s = lo; s <= hi; s++) bits += (u32)cnt[s * TPB + t] * len[s];
-    ends_s[t] = (bits + 7) / 8;
+    if (t < ENC_STREAMS) {
+        u32 bits = 0;
+        if (used >= 2)
+            for (u32 s = lo; s <= hi; s++) bits += ((cnt[s * 32 + (t & 31)] >> (t < 32 ? 0 : 16)) & 0xFFFFu) * len[s];
+        ends_s[t] = (bits + 7) / 8;
+    }
     __syncthreads();
     if (t == 0) {
-        for (int k = 1; k < TPB; k++) ends_s[k] += ends_s[k - 1];
+        for (int k = 1; k < ENC_STREAMS; k++) ends_s[k] += ends_s[k - 1];
         const u32 k = (n + S - 1) / S;
         const u32 nib = (hi - lo + 2) / 2;
-        u32 cmode, psize, total = ends_s[TPB - 1];
+        u32 cmode, psize, total = ends_s[ENC_STREAMS - 1];
         if (used == 1) { cmode = PLANE_CONST; psize = 2; }
         else {
             psize = 3 + nib + 2 * k + total;
@@ -577,17 +680,27 @@ __device__ void enc_stats(const u8 *__restrict__ src, u64 numel, u32 S, int cp, 
     __syncthreads();
     u8 *ilen = info + (size_t)b * INFO_BYTES + 64;
     for (int s = t; s < 256; s += TPB) ilen[s] = len[s];
-    ((u16 *)(info + (size_t)b * INFO_BYTES + 320))[t] = (u16)ends_s[t];
+    if (t < ENC_STREAMS) ((u16 *)(info + (size_t)b * INFO_BYTES + 320))[t] = (u16)ends_s[t];
 }
 
-/* Exclusive scan of count u32 sizes found every `stride` bytes from `sizes`: offsets[i] =
- * sum of the sizes before i. Writes base + total to *total_out. With check != 0 it is the
- * decoder's "payloads cover exactly the frame" test against `expect` (error to *err).
- * One CUDA block of 1024 threads. */
+/* Exclusive scan of u32 sizes; one CUDA block of 1024 threads. The decoder's first kernel,
+ * so it also initializes the decoder's error word and queue count (saves two launches).
+ *   sizes      first size; the others follow every `stride` bytes (count of them)
+ *   offsets    out: offsets[i] = sum of the sizes before i
+ *   total_out  out (or null): base + the sum of all sizes
+ *   expect     with check != 0: the sum must equal it ("payloads cover exactly the frame"),
+ *              else E_TOTAL goes to *err
+ *   err        with check != 0: the decoder's error word, set to ~0 here first
+ *   zero_out   (or null) a u32 set to 0 here: uz_dec_fast's queue count */
 extern "C" __global__ void uz_scan(const u8 *__restrict__ sizes, u32 stride, u32 count, u64 *__restrict__ offsets,
-                                   u64 *__restrict__ total_out, u64 base, u64 expect, int check, u64 *err) {
+                                   u64 *__restrict__ total_out, u64 base, u64 expect, int check, u64 *err,
+                                   u32 *zero_out) {
     __shared__ u64 part[1024];
     const u32 t = threadIdx.x;
+    if (t == 0) {
+        if (check) *err = ~0ull;
+        if (zero_out) *zero_out = 0;
+    }
     const u32 per = (count + 1023) / 1024;
     const u32 a = min(t * per, count), e = min(a + per, count);
     u64 s = 0;
@@ -632,22 +745,38 @@ __device__ void coop_copy_to_unaligned(u8 *dst, const u8 *src, u32 nbytes) {
         }
     }
 }
-/* Writes plane j of the n elements at bsrc to dst (any alignment), coalesced; all threads. */
-template <int LAYOUT, int ISZ> __device__ void coop_plane(u8 *dst, const u8 *bsrc, u32 n, int j) {
+/* Plane j bytes of the 4 elements at p4 (aligned to 4 * ISZ bytes, ISZ <= 4) as one word. */
+template <int LAYOUT, int ISZ> __device__ __forceinline__ u32 plane_word4(const u8 *p4, int j) {
+    u32 wds[ISZ];
+    if (ISZ == 1) wds[0] = *(const u32 *)p4;
+    else if (ISZ == 2) { uint2 v = *(const uint2 *)p4; wds[0] = v.x; wds[ISZ > 1 ? 1 : 0] = v.y; }
+    else { uint4 v = *(const uint4 *)p4; wds[0] = v.x; wds[1 % ISZ] = v.y; wds[2 % ISZ] = v.z; wds[3 % ISZ] = v.w; }
+    u32 r = 0;
+#pragma unroll
+    for (int el = 0; el < 4; el++) r |= plane_sym<LAYOUT, ISZ>(elem_of<ISZ>(wds, el), j) << (8 * el);
+    return r;
+}
+/* Writes plane j of the n elements at bsrc (16-byte aligned) to dst (any alignment),
+ * coalesced, 16 output bytes per thread and step; threads tid = 0..nth-1 of the block.
+ * Output word k of 16-byte group g (at dst - mis + 16g + 4k) holds the plane bytes of
+ * elements 16g + 4k - mis .. + 3: a funnel shift of two element-aligned plane words. */
+template <int LAYOUT, int ISZ> __device__ void coop_plane(u8 *dst, const u8 *bsrc, u32 n, int j, u32 tid, u32 nth) {
     const u32 mis = (u32)((size_t)dst & 3);
     u8 *pa = dst - mis;
-    const u32 W = (mis + n + 3) / 4;
-    for (u32 w = threadIdx.x; w < W; w += TPB) {
-        long long i0 = 4ll * w - mis;
-        if (w > 0 && i0 + 4 <= (long long)n) {
-            u32 i = (u32)i0, v = 0;
+    const u32 G = (mis + n + 15) / 16;
+    for (u32 g = tid; g < G; g += nth) {
+        if (ISZ <= 4 && g > 0 && 16 * g + 16 <= n) {
+            u32 x[5];
+            x[0] = plane_word4<LAYOUT, ISZ>(bsrc + (size_t)(16 * g - 4) * ISZ, j);
 #pragma unroll
-            for (int k = 0; k < 4; k++) v |= plane_byte<LAYOUT, ISZ>(bsrc, i + k, j) << (8 * k);
-            *(u32 *)(pa + 4 * w) = v;
+            for (int k = 0; k < 4; k++) x[k + 1] = plane_word4<LAYOUT, ISZ>(bsrc + (size_t)(16 * g + 4 * k) * ISZ, j);
+            u32 *o = (u32 *)(pa + 16 * g);
+#pragma unroll
+            for (int k = 0; k < 4; k++) o[k] = mis ? __funnelshift_r(x[k], x[k + 1], 8 * (4 - mis)) : x[k + 1];
         } else {
-            for (int k = 0; k < 4; k++) {
-                long long i = i0 + k;
-                if (i >= 0 && i < (long long)n) pa[4 * w + k] = (u8)plane_byte<LAYOUT, ISZ>(bsrc, (u32)i, j);
+            for (int k = 0; k < 16; k++) {
+                long long i = 16ll * g + k - mis;
+                if (i >= 0 && i < (long long)n) pa[16 * g + k] = (u8)plane_byte<LAYOUT, ISZ>(bsrc, (u32)i, j);
             }
         }
     }
@@ -704,8 +833,8 @@ __device__ void enc_write(const u8 *__restrict__ src, u64 numel, u32 S, int cp, 
     __shared__ u32 len[256];
     __shared__ u32 red[2 * TPB];
     const u32 b = blockIdx.x, t = threadIdx.x;
-    const u64 first = (u64)b * TPB * S;
-    const u32 n = (u32)min((u64)TPB * S, numel - first);
+    const u64 first = (u64)b * ENC_STREAMS * S;
+    const u32 n = (u32)min((u64)ENC_STREAMS * S, numel - first);
     const u8 *bsrc = src + first * ISZ;
     const u32 *inf = (const u32 *)(info + (size_t)b * INFO_BYTES);
     const u32 size = inf[0], crc_orig = inf[1], mode = inf[2];
@@ -750,19 +879,25 @@ __device__ void enc_write(const u8 *__restrict__ src, u64 numel, u32 S, int cp, 
                     bw.init(data + start);
                     u32 a = t * S, e = min(a + S, n), i = a;
                     if (ISZ <= 4) {
-                        for (; i + 16 <= e; i += 16) {
-                            u32 wds[4 * ISZ];
+                        /* 4 groups of 16 elements per step: their loads all issue first */
+                        for (; i + 64 <= e; i += 64) {
+                            u32 wds[4][4 * ISZ];
                             const uint4 *q = (const uint4 *)(bsrc + (size_t)i * ISZ);
 #pragma unroll
-                            for (int kk = 0; kk < ISZ; kk++) {
-                                uint4 v = q[kk];
-                                wds[4 * kk] = v.x; wds[4 * kk + 1] = v.y; wds[4 * kk + 2] = v.z; wds[4 * kk + 3] = v.w;
-                            }
+                            for (int g = 0; g < 4; g++)
 #pragma unroll
-                            for (int el = 0; el < 16; el++) {
-                                u32 s = plane_sym<LAYOUT, ISZ>(elem_of<ISZ>(wds, el), cp);
-                                bw.put(code[s], len[s]);
-                            }
+                                for (int kk = 0; kk < ISZ; kk++) {
+                                    uint4 v = q[g * ISZ + kk];
+                                    wds[g][4 * kk] = v.x; wds[g][4 * kk + 1] = v.y;
+                                    wds[g][4 * kk + 2] = v.z; wds[g][4 * kk + 3] = v.w;
+                                }
+#pragma unroll
+                            for (int g = 0; g < 4; g++)
+#pragma unroll
+                                for (int el = 0; el < 16; el++) {
+                                    u32 s = plane_sym<LAYOUT, ISZ>(elem_of<ISZ>(wds[g], el), cp);
+                                    bw.put(code[s], len[s]);
+                                }
                         }
                     }
                     for (; i < e; i++) {
@@ -774,7 +909,11 @@ __device__ void enc_write(const u8 *__restrict__ src, u64 numel, u32 S, int cp, 
                 p = data + total;
             } else {
                 if (t == 0) p[0] = PLANE_RAW;
-                coop_plane<LAYOUT, ISZ>(p + 1, bsrc, n, j);
+                /* with a HUFF plane, its ENC_STREAMS bit writers are busy: the other warps
+                 * write the RAW planes meanwhile */
+                const bool hw = cp >= 0 && cmode == PLANE_HUFF;
+                if (!hw || t >= ENC_STREAMS)
+                    coop_plane<LAYOUT, ISZ>(p + 1, bsrc, n, j, hw ? t - ENC_STREAMS : t, hw ? TPB - ENC_STREAMS : TPB);
                 p += 1 + n;
             }
         }
@@ -828,8 +967,49 @@ __device__ __forceinline__ BlockCtx block_ctx(const u8 *frame, u64 payload_offse
     return c;
 }
 
+/* Payload CRC of one block by all TPB threads, reading it once in 16-byte words (4 in flight
+ * per thread); the first STAGE_BYTES of those words (from the payload's 16-byte-aligned
+ * start `base`) are kept in `stage`, so parse and Huffman decode can read shared memory.
+ * Words are read whole: they hold at least one payload byte, so stay inside the allocation. */
+__device__ u32 crc_stage(const u32 *tab, const u8 *blk, u32 size, u32 *stage, u32 *red) {
+    const size_t base = (size_t)blk & ~(size_t)15;
+    const u32 head = (u32)((size_t)blk - base), end = head + size;
+    const u32 nw = size ? (end + 15) / 16 : 0;
+    const u32 per = (nw + TPB - 1) / TPB;
+    const u32 w0 = min(threadIdx.x * per, nw), w1 = min(w0 + per, nw);
+    const uint4 *g = (const uint4 *)base;
+    u32 c = 0xFFFFFFFFu;
+    for (u32 w = w0; w < w1; w += 4) {
+        uint4 v[4];
+#pragma unroll
+        for (int k = 0; k < 4; k++)
+            if (w + k < w1) v[k] = g[w + k];
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const u32 wk = w + k;
+            if (wk >= w1) break;
+            if (wk < STAGE_BYTES / 16) ((uint4 *)stage)[wk] = v[k];
+            const u32 lo = wk * 16;
+            if (lo >= head && lo + 16 <= end) {
+                c = crc_uint4(tab, c, v[k], 0);
+            } else {
+                const u32 x[4] = {v[k].x, v[k].y, v[k].z, v[k].w};
+                for (u32 j = lo < head ? head - lo : 0; j < 16 && lo + j < end; j++) c = crc_byte(tab, c, bytew(x, j), 0);
+            }
+        }
+    }
+    const u32 a = min(max(w0 * 16, head), end), e = min(max(w1 * 16, head), end);
+    return crc_block_combine(~c, e - a, red);
+}
+
 /* decode_block for RAW blocks and DENSE blocks with at most one HUFF plane; other blocks go
- * to clist for uz_dec_slow. One CUDA block (TPB threads) per codec block.
+ * to clist for uz_dec_slow. One CUDA block (TPB threads) per codec block:
+ *   1. all threads: payload CRC, staging the payload's first STAGE_BYTES in shared memory;
+ *   2. thread 0: block/plane parse with every check of decode_block/decode_plane;
+ *   3. all threads: pair LUT; then one thread per sub-stream decodes from shared memory (the
+ *      HUFF plane comes first in GPU frames, so it is staged whenever it fits), merges with
+ *      the RAW planes (global memory) and stores 16-byte words;
+ *   4. all threads: CRC of the decoded block (read back; it is in L1/L2).
  *   frame            the whole frame on the device (16-byte aligned)
  *   payload_offset   where payloads start; payload_len = frame_nbytes - payload_offset
  *   table_offset     where the block table starts
@@ -840,11 +1020,12 @@ __device__ __forceinline__ BlockCtx block_ctx(const u8 *frame, u64 payload_offse
  *   clist, ccount    queue of blocks for uz_dec_slow                                         */
 template <int LAYOUT, int ISZ>
 __device__ void dec_fast(const u8 *__restrict__ frame, u64 payload_offset, u64 payload_len, u64 table_offset,
-                         const u64 *__restrict__ offsets, u64 numel, u32 block_elems, u32 S, u8 *__restrict__ out,
+                         const u64 *__restrict__ offsets, u64 numel, u32 block_elems, u32 S, u8 *out,
                          u64 *err, u32 *clist, u32 *ccount) {
     constexpr int P = Lay<LAYOUT, ISZ>::P;
     __shared__ __align__(16) u32 sm_crc[CRC_WORDS];
-    __shared__ u16 lut[LUT_SIZE];
+    __shared__ u32 lut[LUT_SIZE];
+    __shared__ __align__(16) u32 stage[STAGE_BYTES / 4];
     __shared__ u32 scratch[36 + 256 + 4];
     __shared__ u32 red[2 * TPB];
     __shared__ u32 pm[MAX_PLANES], pc[MAX_PLANES];
@@ -856,7 +1037,7 @@ __device__ void dec_fast(const u8 *__restrict__ frame, u64 payload_offset, u64 p
     BlockCtx bc = block_ctx(frame, payload_offset, payload_len, table_offset, offsets, numel, block_elems, b);
     load_crc_table(sm_crc);
     __syncthreads();
-    u32 crc = crc_parallel(sm_crc, bc.blk, bc.size, red);
+    u32 crc = crc_stage(sm_crc, bc.blk, bc.size, stage, red);
     if (t == 0) {
         u32 st = 0, code = 0;
         hidx = -1;
@@ -896,8 +1077,6 @@ __device__ void dec_fast(const u8 *__restrict__ frame, u64 payload_offset, u64 p
     const u32 st = status;
     if (st == 1 || st == 2) return;
     u8 *bout = out + bc.first * ISZ;
-    const u32 rep = t & (CRC_REP - 1);
-    u32 c = 0xFFFFFFFFu, mylen = 0;
     if (st == 3) {
         /* RAW block: contiguous 16-byte-multiple chunks per thread */
         const u32 N = bc.n * ISZ;
@@ -909,11 +1088,8 @@ __device__ void dec_fast(const u8 *__restrict__ frame, u64 payload_offset, u64 p
             u32 w[4];
             load16u(s + i, w);
             *(uint4 *)(bout + i) = make_uint4(w[0], w[1], w[2], w[3]);
-            c = crc_word(sm_crc, c, w[0], rep); c = crc_word(sm_crc, c, w[1], rep);
-            c = crc_word(sm_crc, c, w[2], rep); c = crc_word(sm_crc, c, w[3], rep);
         }
-        for (; i < e; i++) { u8 v = s[i]; bout[i] = v; c = crc_byte(sm_crc, c, v, rep); }
-        mylen = e - a;
+        for (; i < e; i++) bout[i] = s[i];
     } else {
         const int h = hidx;
         bool ok = true;
@@ -923,9 +1099,17 @@ __device__ void dec_fast(const u8 *__restrict__ frame, u64 payload_offset, u64 p
             return;
         }
         u32 j0, j1, seg;
+        const u8 *ends = 0, *data = 0;
         if (h >= 0) {
             const u32 per = (hp.k + TPB - 1) / TPB;
             j0 = min(t * per, hp.k); j1 = min(j0 + per, hp.k); seg = S;
+            /* read ends and sub-streams from the staged copy when all their words are there */
+            const size_t base = (size_t)bc.blk & ~(size_t)15;
+            ends = hp.ends; data = hp.data;
+            if ((size_t)hp.data + hp.total + 4 <= base + STAGE_BYTES) {
+                ends = (const u8 *)stage + ((size_t)hp.ends - base);
+                data = (const u8 *)stage + ((size_t)hp.data - base);
+            }
         } else {
             seg = ((bc.n + TPB - 1) / TPB + 15) & ~15u;
             const u32 ns = (bc.n + seg - 1) / seg;
@@ -937,22 +1121,34 @@ __device__ void dec_fast(const u8 *__restrict__ frame, u64 payload_offset, u64 p
             HuffReader rd;
             u32 start = 0, stop = 0;
             if (h >= 0) {
-                start = j ? ld_u16(hp.ends + 2 * (j - 1)) : 0;
-                stop = ld_u16(hp.ends + 2 * j);
+                start = j ? ld_u16(ends + 2 * (j - 1)) : 0;
+                stop = ld_u16(ends + 2 * j);
                 if (stop < start || stop > hp.total) { bad = E_ENDS_BACK; break; }
-                rd.init(hp.data + start, stop - start);
+                rd.init(data + start, stop - start);
             }
             u32 i = ss;
+            /* RAW-plane words are loaded one group ahead, so their latency overlaps the
+             * decode of the current group instead of stalling after it */
+            u32 nxt[P][4];
+#pragma unroll
+            for (int q = 0; q < P; q++)
+                if (q != h && pm[q] == PLANE_RAW && i + 16 <= se) load16u(pr[q] + i, nxt[q]);
             for (; i + 16 <= se; i += 16) {
                 u32 pw[P][4];
 #pragma unroll
                 for (int q = 0; q < P; q++) {
+                    if (q != h && pm[q] == PLANE_RAW) {
+#pragma unroll
+                        for (int k = 0; k < 4; k++) pw[q][k] = nxt[q][k];
+                        if (i + 32 <= se) load16u(pr[q] + i + 16, nxt[q]);
+                    }
+                }
+#pragma unroll
+                for (int q = 0; q < P; q++) {
                     if (q == h) {
-                        pw[q][0] = rd.dec4(lut); pw[q][1] = rd.dec4(lut);
-                        pw[q][2] = rd.dec4(lut); pw[q][3] = rd.dec4(lut);
-                    } else if (pm[q] == PLANE_RAW) {
-                        load16u(pr[q] + i, pw[q]);
-                    } else {
+                        if (i + 16 < se) rd.dec16(lut, pw[q]);
+                        else rd.dec16_single(lut, pw[q]);
+                    } else if (pm[q] != PLANE_RAW) {
                         u32 v = pc[q] * 0x01010101u;
                         pw[q][0] = pw[q][1] = pw[q][2] = pw[q][3] = v;
                     }
@@ -961,11 +1157,7 @@ __device__ void dec_fast(const u8 *__restrict__ frame, u64 payload_offset, u64 p
                 merge16<LAYOUT, ISZ>(pw, o);
                 uint4 *dst = (uint4 *)(bout + (size_t)i * ISZ);
 #pragma unroll
-                for (int q = 0; q < ISZ; q++) {
-                    dst[q] = make_uint4(o[4 * q], o[4 * q + 1], o[4 * q + 2], o[4 * q + 3]);
-                    c = crc_word(sm_crc, c, o[4 * q], rep); c = crc_word(sm_crc, c, o[4 * q + 1], rep);
-                    c = crc_word(sm_crc, c, o[4 * q + 2], rep); c = crc_word(sm_crc, c, o[4 * q + 3], rep);
-                }
+                for (int q = 0; q < ISZ; q++) dst[q] = make_uint4(o[4 * q], o[4 * q + 1], o[4 * q + 2], o[4 * q + 3]);
             }
             for (; i < se; i++) {
                 u32 pb[P];
@@ -973,17 +1165,14 @@ __device__ void dec_fast(const u8 *__restrict__ frame, u64 payload_offset, u64 p
                     pb[q] = q == h ? rd.dec1(lut) : (pm[q] == PLANE_RAW ? pr[q][i] : pc[q]);
                 u8 ob[ISZ];
                 merge1<LAYOUT, ISZ>(pb, ob);
-                for (int q = 0; q < ISZ; q++) {
-                    bout[(size_t)i * ISZ + q] = ob[q];
-                    c = crc_byte(sm_crc, c, ob[q], rep);
-                }
+                for (int q = 0; q < ISZ; q++) bout[(size_t)i * ISZ + q] = ob[q];
             }
             if (h >= 0 && !rd.ok(stop - start)) { bad = E_STREAM; break; }
         }
         if (bad) report(err, b, bad);
-        mylen = (j1 > j0 ? (min(j1 * seg, bc.n) - j0 * seg) : 0) * ISZ;
     }
-    u32 crc_out = crc_block_combine(~c, mylen, red);
+    __syncthreads(); /* the decoded block is visible to the whole CUDA block */
+    u32 crc_out = crc_parallel(sm_crc, bout, (u64)bc.n * ISZ, red);
     if (t == 0 && crc_out != bc.crc_o) report(err, b, E_ORIG_CRC);
 }
 
@@ -997,7 +1186,7 @@ __device__ void dec_slow(const u8 *__restrict__ frame, u64 payload_offset, u64 p
                          u64 *err, const u32 *clist, const u32 *ccount, u8 *scratch, u64 slot_bytes) {
     constexpr int P = Lay<LAYOUT, ISZ>::P;
     __shared__ __align__(16) u32 sm_crc[CRC_WORDS];
-    __shared__ u16 lut[LUT_SIZE];
+    __shared__ u32 lut[LUT_SIZE];
     __shared__ u32 scr[36 + 256 + 4];
     __shared__ u32 red[2 * TPB];
     __shared__ u32 pm[MAX_PLANES + 1], pc[MAX_PLANES + 1];
@@ -1006,9 +1195,10 @@ __device__ void dec_slow(const u8 *__restrict__ frame, u64 payload_offset, u64 p
     __shared__ u32 status, sm_m, sparse;
     __shared__ u32 pre[TPB];
     const u32 t = threadIdx.x;
+    const u32 count = *ccount;
+    if (blockIdx.x >= count) return; /* nothing queued for this CUDA block: the common case */
     load_crc_table(sm_crc);
     __syncthreads();
-    const u32 count = *ccount;
     u8 *slot = scratch + slot_bytes * blockIdx.x;
     for (u32 idx = blockIdx.x; idx < count; idx += gridDim.x) {
         const u32 b = clist[idx];

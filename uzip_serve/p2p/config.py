@@ -51,6 +51,8 @@ class TransportConfig:
             env["compression"] = os.environ["UZIP_P2P_COMPRESSION"]
         if "UZIP_P2P_CHUNK_BYTES" in os.environ:
             env["chunk_bytes"] = int(os.environ["UZIP_P2P_CHUNK_BYTES"])
+        if "UZIP_P2P_PROGRESS" in os.environ:
+            env["progress_mode"] = os.environ["UZIP_P2P_PROGRESS"]
         if "UZIP_P2P_DEADLINE_S" in os.environ:
             env["deadline_s"] = float(os.environ["UZIP_P2P_DEADLINE_S"])
         return cls(**{**env, **overrides})
