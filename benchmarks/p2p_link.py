@@ -65,7 +65,7 @@ def run_receiver(port: int) -> None:
         print("ready", flush=True)
         while True:
             ep = await lst.accept()
-            n = int(await ep.recv_bytes())
+            n = int(await ep.recv_bytes())  # transfers on this connection, all of the same tensors
             if n == 0:
                 return
             prev = None
@@ -76,24 +76,30 @@ def run_receiver(port: int) -> None:
     asyncio.run(main())
 
 
-def run_sender(host: str, port: int, mode: str, repeats: int, max_mb: int) -> None:
+def run_sender(host: str, port: int, repeats: int, max_mb: int) -> None:
+    """Sends with every mode, interleaved (plain, c-then-s, split, adaptive, plain, ...),
+    each on its own endpoint, so slow drift of a shared machine hits all modes alike."""
     from uzip_serve import p2p
 
     sd = load_state_dict(max_mb)
 
-    async def main():
+    async def one_endpoint(mode: str) -> dict:
         cfg = p2p.TransportConfig.from_env(ucx_tls="tcp", deadline_s=120, **MODES[mode])
         ep = await p2p.connect(host, port, cfg)
-        await ep.send_bytes(str(repeats + 1).encode())
-        await ep.send_tensors(sd)  # warm-up: page faults, connection ramp-up, link estimate
-        runs = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            st = await ep.send_tensors(sd)
-            runs.append({"seconds": time.perf_counter() - t0, "raw_bytes": st.raw_bytes,
-                         "wire_bytes": st.wire_bytes, "chunks": st.chunks,
-                         "chunks_compressed": st.chunks_compressed})
+        await ep.send_bytes(b"2")
+        await ep.send_tensors(sd)  # warm-up: page faults, TCP ramp-up, the link estimate
+        t0 = time.perf_counter()
+        st = await ep.send_tensors(sd)
+        run = {"seconds": time.perf_counter() - t0, "raw_bytes": st.raw_bytes, "wire_bytes": st.wire_bytes,
+               "chunks": st.chunks, "chunks_compressed": st.chunks_compressed}
         await ep.close()
+        return run
+
+    async def main():
+        runs = {m: [] for m in MODES}
+        for _ in range(repeats):
+            for mode in MODES:
+                runs[mode].append(await one_endpoint(mode))
         print("RESULT " + json.dumps(runs), flush=True)
 
     asyncio.run(main())
@@ -124,14 +130,13 @@ def run(rates: list[str | None], repeats: int, max_mb: int, out_dir: Path) -> di
                 raise RuntimeError("receiver did not start")
             for rate in rates:
                 link.set_rate(rate)
-                for mode in MODES:
-                    out = subprocess.run(["ip", "netns", "exec", "uz_a", *me, "--role", "send", "--host", ADDR["b"],
-                                          "--port", str(PORT), "--mode", mode, "--repeats", str(repeats),
-                                          "--max-mb", str(max_mb)], capture_output=True, text=True, timeout=1800)
-                    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
-                    if line is None:
-                        raise RuntimeError(f"sender failed ({rate}, {mode}):\n{out.stderr[-3000:]}")
-                    runs = json.loads(line[len("RESULT "):])
+                out = subprocess.run(["ip", "netns", "exec", "uz_a", *me, "--role", "send", "--host", ADDR["b"],
+                                      "--port", str(PORT), "--repeats", str(repeats), "--max-mb", str(max_mb)],
+                                     capture_output=True, text=True, timeout=3600)
+                line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
+                if line is None:
+                    raise RuntimeError(f"sender failed ({rate}):\n{out.stderr[-3000:]}")
+                for mode, runs in json.loads(line[len("RESULT "):]).items():
                     secs = statistics.median(r["seconds"] for r in runs)
                     row = {"rate": rate or "unlimited", "mode": mode, "seconds": secs,
                            "seconds_all": [r["seconds"] for r in runs], "raw_bytes": runs[0]["raw_bytes"],
@@ -139,8 +144,9 @@ def run(rates: list[str | None], repeats: int, max_mb: int, out_dir: Path) -> di
                            "chunks_compressed": runs[0]["chunks_compressed"],
                            "effective_gbps": runs[0]["raw_bytes"] / secs / 1e9}
                     rows.append(row)
-                    logger.info("%-9s %-19s %.3f s  %.3f GB/s  wire %.1f MB", row["rate"], mode, secs,
-                                row["effective_gbps"], row["wire_bytes"] / 1e6)
+                    logger.info("%-9s %-19s %.3f s  %.3f GB/s  wire %.1f MB  (runs: %s)", row["rate"], mode, secs,
+                                row["effective_gbps"], row["wire_bytes"] / 1e6,
+                                ", ".join(f"{x:.3f}" for x in row["seconds_all"]))
             subprocess.run(["ip", "netns", "exec", "uz_a", *me, "--role", "stop", "--host", ADDR["b"],
                             "--port", str(PORT)], timeout=60, capture_output=True)
         finally:
@@ -198,7 +204,6 @@ def main(argv=None) -> int:
     p.add_argument("--rates", default="1gbit,10gbit,none", help="comma-separated tbf rates; 'none' = unlimited")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--max-mb", type=int, default=0, help="send only the first MB of the state dict (0 = all)")
-    p.add_argument("--mode", choices=list(MODES))
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=PORT)
     p.add_argument("--out", type=Path, default=OUT_DIR)
@@ -207,7 +212,7 @@ def main(argv=None) -> int:
     if a.role == "recv":
         run_receiver(a.port)
     elif a.role == "send":
-        run_sender(a.host, a.port, a.mode, a.repeats, a.max_mb)
+        run_sender(a.host, a.port, a.repeats, a.max_mb)
     elif a.role == "stop":
         stop_receiver(a.host, a.port)
     else:
