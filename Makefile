@@ -21,7 +21,7 @@ data: $(STAMP)
 	$(BIN)/python -m benchmarks.realdata
 
 demo: setup
-	$(BIN)/python -m benchmarks.codec_cpu --quick --max-mb 32 --repeats 1 --out .cache/demo
+	$(BIN)/python -m benchmarks.codec_cpu --quick --max-mb 32 --repeats 3 --out .cache/demo
 
 test: setup
 	$(BIN)/python -m pytest -q
