@@ -211,12 +211,12 @@ class WeightReceiver:
 
     def stop(self) -> None:
         self._stop.set()
-        from uzip_serve.p2p import sync
+        from uzip_serve.p2p import loop
 
         if self._accept_task is not None:
-            sync._background_loop().call_soon_threadsafe(self._accept_task.cancel)
+            loop.ucx_loop().call_soon_threadsafe(self._accept_task.cancel)
         if self._listener is not None:
-            sync._background_loop().call_soon_threadsafe(self._listener.close)
+            loop.ucx_loop().call_soon_threadsafe(self._listener.close)
         self._channel.close()
         for t in self._threads:
             t.join(5)

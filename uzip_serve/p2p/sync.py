@@ -3,28 +3,9 @@ background event loop per process (UCX progress happens there)."""
 
 from __future__ import annotations
 
-import asyncio
-import threading
-
 from uzip_serve.p2p import ucx
 from uzip_serve.p2p.config import TransportConfig
-
-_loop: asyncio.AbstractEventLoop | None = None
-_lock = threading.Lock()
-
-
-def _background_loop() -> asyncio.AbstractEventLoop:
-    global _loop
-    with _lock:
-        if _loop is None:
-            _loop = asyncio.new_event_loop()
-            threading.Thread(target=_loop.run_forever, name="uzip-p2p-loop", daemon=True).start()
-        return _loop
-
-
-def run(coro, timeout: float | None = None):
-    """Runs a coroutine on the background loop and waits for its result."""
-    return asyncio.run_coroutine_threadsafe(coro, _background_loop()).result(timeout)
+from uzip_serve.p2p.loop import run, ucx_loop
 
 
 class SyncEndpoint:
@@ -52,7 +33,7 @@ class SyncEndpoint:
         return run(self._ep.recv_bytes(limit))
 
     def abort(self) -> None:
-        _background_loop().call_soon_threadsafe(self._ep.abort)
+        ucx_loop().call_soon_threadsafe(self._ep.abort)
 
     def close(self) -> None:
         run(self._ep.close())
@@ -76,7 +57,7 @@ class SyncListener:
         return SyncEndpoint(run(self._lst.accept(timeout)))
 
     def close(self) -> None:
-        _background_loop().call_soon_threadsafe(self._lst.close)
+        ucx_loop().call_soon_threadsafe(self._lst.close)
 
     def __enter__(self):
         return self

@@ -12,7 +12,8 @@ Asynchronous API first::
 
 Every operation is bounded by TransportConfig.deadline_s; a dead or stuck peer
 surfaces as PeerError or TransferTimeout, never as a hang. UCX and its settings are
-process-wide: the first endpoint or listener starts UCX with its config.
+process-wide: the first endpoint or listener starts UCX with its config, and every UCX
+operation runs on the process's one UCX loop (loop.py), whatever loop the caller uses.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 from uzip_serve.p2p import split_send
+from uzip_serve.p2p.loop import call_soon, on_ucx_loop
 from uzip_serve.p2p.adaptive import AdaptivePolicy, TransferStats
 from uzip_serve.p2p.config import TransportConfig
 from uzip_serve.p2p.errors import PeerError, ProtocolError, TransferError, TransferTimeout
@@ -116,7 +118,11 @@ class Endpoint:
 
     # -- transfers --
     async def send_tensors(self, tensors) -> TransferStats:
-        """Sends a mapping (or iterable of (name, tensor)) as one transfer."""
+        """Sends a mapping (or iterable of (name, tensor)) as one transfer. Returns once the
+        peer verified all of it."""
+        return await on_ucx_loop(self._send_tensors(tensors))
+
+    async def _send_tensors(self, tensors) -> TransferStats:
         try:
             self.last_stats = await split_send.send_tensors(self, tensors, config=self.config, policy=self.policy,
                                                             executor=self._executor, transfer_id=next(_ids))
@@ -128,6 +134,9 @@ class Endpoint:
     async def recv_tensors(self, into=None, forward: list["Endpoint"] = ()) -> dict:
         """Receives one transfer: a new dict of tensors, or written into `into`'s tensors.
         `forward` relays it, cut-through, to other endpoints (see split_send)."""
+        return await on_ucx_loop(self._recv_tensors(into, forward))
+
+    async def _recv_tensors(self, into, forward) -> dict:
         try:
             out, self.last_stats = await split_send.recv_tensors(self, config=self.config, executor=self._executor,
                                                                  into=into, forward=forward)
@@ -138,11 +147,17 @@ class Endpoint:
 
     async def send_bytes(self, data: bytes) -> None:
         """A small control message: its length, then its bytes."""
+        await on_ucx_loop(self._send_bytes(data))
+
+    async def _send_bytes(self, data: bytes) -> None:
         await self.send(len(data).to_bytes(8, "little"))
         if data:
             await self.send(data)
 
     async def recv_bytes(self, limit: int = 64 << 20) -> bytes:
+        return await on_ucx_loop(self._recv_bytes(limit))
+
+    async def _recv_bytes(self, limit: int) -> bytes:
         n = bytearray(8)
         await self.recv(n)
         size = int.from_bytes(n, "little")
@@ -155,13 +170,16 @@ class Endpoint:
 
     # -- shutdown --
     def abort(self) -> None:
-        """Closes at once, dropping anything in flight. Safe to call twice."""
+        """Closes at once, dropping anything in flight. Safe to call twice, from any thread."""
         if not self._closed:
             self._closed = True
-            self._finalizer()
+            call_soon(self._finalizer)
 
     async def close(self) -> None:
         """Closes after what was sent has been delivered."""
+        await on_ucx_loop(self._close())
+
+    async def _close(self) -> None:
         if self._closed:
             return
         self._closed = True
@@ -202,18 +220,29 @@ class Listener:
         return self._listener.port
 
     async def accept(self, timeout: float | None = None) -> Endpoint:
+        return await on_ucx_loop(self._accept(timeout))
+
+    async def _accept(self, timeout: float | None) -> Endpoint:
         try:
             return await asyncio.wait_for(self._queue.get(), timeout)
         except asyncio.TimeoutError:
             raise TransferTimeout("no peer connected within the timeout") from None
 
     def close(self) -> None:
+        call_soon(self._close_now)
+
+    def _close_now(self) -> None:
         if self._listener is not None:
             self._listener.close()
             self._listener = None
 
 
 async def listen(port: int = 0, config: TransportConfig | None = None) -> Listener:
+    """Listens for peers on `port` (0 = any free one; see Listener.port)."""
+    return await on_ucx_loop(_listen(port, config))
+
+
+async def _listen(port: int, config: TransportConfig | None) -> Listener:
     config = config or TransportConfig.from_env()
     start_ucx(config)
     lst = Listener(config)
@@ -222,6 +251,11 @@ async def listen(port: int = 0, config: TransportConfig | None = None) -> Listen
 
 
 async def connect(host: str, port: int, config: TransportConfig | None = None) -> Endpoint:
+    """Connects to a peer's listener; the connection is bounded by config.deadline_s."""
+    return await on_ucx_loop(_connect(host, port, config))
+
+
+async def _connect(host: str, port: int, config: TransportConfig | None) -> Endpoint:
     config = config or TransportConfig.from_env()
     start_ucx(config)
     try:

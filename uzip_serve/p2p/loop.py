@@ -1,0 +1,54 @@
+"""The one event loop per process on which every UCX operation runs.
+
+ucxx ties its progress and, in the thread progress modes, its Python futures to the
+event loop that first used it. Running every endpoint of a process on one dedicated
+loop (in a daemon thread) lets callers use any loop they like, `asyncio.run` as often
+as they like, or no loop at all (the sync facade).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+_loop: asyncio.AbstractEventLoop | None = None
+_lock = threading.Lock()
+
+
+def ucx_loop() -> asyncio.AbstractEventLoop:
+    global _loop
+    with _lock:
+        if _loop is None:
+            _loop = asyncio.new_event_loop()
+            threading.Thread(target=_loop.run_forever, name="uzip-p2p-loop", daemon=True).start()
+        return _loop
+
+
+def on_ucx_loop(coro):
+    """An awaitable for `coro` run on the UCX loop (the coroutine itself when already there)."""
+    loop = ucx_loop()
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is loop:
+        return coro
+    return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, loop))
+
+
+def run(coro, timeout: float | None = None):
+    """Runs `coro` on the UCX loop from a plain thread and waits for its result."""
+    return asyncio.run_coroutine_threadsafe(coro, ucx_loop()).result(timeout)
+
+
+def call_soon(fn, *args) -> None:
+    """Calls fn on the UCX loop: directly when already there, else at its next turn."""
+    loop = ucx_loop()
+    try:
+        here = asyncio.get_running_loop() is loop
+    except RuntimeError:
+        here = False
+    if here:
+        fn(*args)
+    else:
+        loop.call_soon_threadsafe(fn, *args)
