@@ -174,14 +174,19 @@ def test_three_receivers_twenty_versions(coord):
             assert all(m[3] == digests(weights) for m in got), "a receiver holds different bits"
         state = coord.state()
         assert state.committed_version == 20
-        time.sleep(1.5)  # one heartbeat: every receiver reports what it serves
-        assert [r.serving_version for r in coord.state().receivers] == [20, 20, 20]
+        for _ in range(50):  # heartbeats report what each receiver serves
+            serving = [r.serving_version for r in coord.state().receivers]
+            if serving == [20, 20, 20]:
+                break
+            time.sleep(0.2)
+        assert serving == [20, 20, 20]
     finally:
         rs.stop()
 
 
 def test_receiver_killed_mid_push_then_recovery(coord):
-    w = {"big": torch.randn(24 << 20).to(torch.bfloat16), "small": torch.ones(10)}
+    # Large enough that the push is surely still running when the kill lands.
+    w = {"big": torch.randn(64 << 20).to(torch.bfloat16), "small": torch.ones(10)}
     tmpl = template_of(w)
     rs = Receivers(coord.address, {f"r{i}": (tmpl, None) for i in range(3)})
     try:

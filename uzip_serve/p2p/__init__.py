@@ -1,6 +1,6 @@
 """Point-to-point tensor transfers over UCX with the split-send compression pipeline.
 
-Async (preferred)::
+Async (preferred; any event loop: the work runs on the process's UCX loop)::
 
     from uzip_serve import p2p
     listener = await p2p.listen(port=0)
