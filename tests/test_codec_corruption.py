@@ -39,16 +39,22 @@ def decode_is_exact_or_frame_error(original: torch.Tensor, frame) -> bool:
     return True
 
 
-@pytest.mark.parametrize("index", range(len(FRAMES)))
-def test_every_single_bit_flip_is_detected(index):
-    original, frame = FRAMES[index]
-    rng = random.Random(index)
-    # Every byte of the header and table, and a sample of payload bytes, with a random bit each.
+def single_bit_flips(frame, seed: int, payload_samples: int):
+    """Copies of `frame`, each with one random bit flipped: in every byte of the header and
+    block table, and in a sample of payload bytes."""
+    rng = random.Random(seed)
     head = uz.read_header(frame).payload_offset
-    positions = list(range(head)) + rng.sample(range(head, len(frame)), min(2000, len(frame) - head))
+    positions = list(range(head)) + rng.sample(range(head, len(frame)), min(payload_samples, len(frame) - head))
     for pos in positions:
         bad = bytearray(frame)
         bad[pos] ^= 1 << rng.randrange(8)
+        yield bad
+
+
+@pytest.mark.parametrize("index", range(len(FRAMES)))
+def test_every_single_bit_flip_is_detected(index):
+    _, frame = FRAMES[index]
+    for bad in single_bit_flips(frame, seed=index, payload_samples=2000):
         with pytest.raises(uz.FrameError):
             uz.decompress(bad)
 

@@ -157,13 +157,8 @@ GPU_FRAMES = [(t, bytes(uz.compress(t.to(DEV)))) for t, _ in corr.FRAMES]
 @pytest.mark.parametrize("which", ["cpu", "gpu"])
 @pytest.mark.parametrize("index", range(len(corr.FRAMES)))
 def test_bit_flips_detected_on_gpu(which, index):
-    original, frame = corr.FRAMES[index] if which == "cpu" else GPU_FRAMES[index]
-    rng = random.Random(index)
-    head = uz.read_header(frame).payload_offset
-    positions = list(range(head)) + rng.sample(range(head, len(frame)), min(300, len(frame) - head))
-    for pos in positions:
-        bad = bytearray(frame)
-        bad[pos] ^= 1 << rng.randrange(8)
+    _, frame = corr.FRAMES[index] if which == "cpu" else GPU_FRAMES[index]
+    for bad in corr.single_bit_flips(frame, seed=index, payload_samples=300):
         with pytest.raises(uz.FrameError):
             uz.decompress(bad, device="cuda")
 

@@ -72,6 +72,15 @@ def max_compressed_size(nbytes: int, dtype) -> int:
     return fmt.max_compressed_size(nbytes, _dtype_name(dtype))
 
 
+def _checked_out(out: Buffer, nbytes: int, dtype: str, ndim: int) -> memoryview:
+    """`out` as bytes, refused unless it can hold the largest frame of such a tensor."""
+    out_mv = memoryview(out).cast("B")
+    need = fmt.max_compressed_size(nbytes, dtype, ndim=ndim)
+    if len(out_mv) < need:
+        raise ValueError(f"output buffer holds {len(out_mv)} bytes; max_compressed_size needs {need}")
+    return out_mv
+
+
 def compress_into(tensor, out: Buffer, *, threads: int | None = None) -> int:
     """Compresses `tensor` into the writable buffer `out` and returns the frame's size.
 
@@ -79,11 +88,7 @@ def compress_into(tensor, out: Buffer, *, threads: int | None = None) -> int:
     only the first (returned) bytes are the frame. Blocks until done.
     """
     if _is_cuda_tensor(tensor):  # [cuda hook]
-        out_mv = memoryview(out).cast("B")
-        need = fmt.max_compressed_size(tensor.numel() * tensor.element_size(), _dtype_name(tensor.dtype),
-                                       ndim=tensor.dim())
-        if len(out_mv) < need:
-            raise ValueError(f"output buffer holds {len(out_mv)} bytes; max_compressed_size needs {need}")
+        out_mv = _checked_out(out, tensor.numel() * tensor.element_size(), _dtype_name(tensor.dtype), tensor.dim())
         n = _compress_cuda(tensor, out_mv)
         if n is not None:
             return n
@@ -93,10 +98,7 @@ def compress_into(tensor, out: Buffer, *, threads: int | None = None) -> int:
     if len(shape) > fmt.MAX_NDIM:
         raise ValueError(f"tensors of more than {fmt.MAX_NDIM} dims are not supported (got {len(shape)})")
     numel = t.numel()
-    out_mv = memoryview(out).cast("B")
-    need = fmt.max_compressed_size(numel * dt.itemsize, dt.name, ndim=len(shape))
-    if len(out_mv) < need:
-        raise ValueError(f"output buffer holds {len(out_mv)} bytes; max_compressed_size needs {need}")
+    out_mv = _checked_out(out, numel * dt.itemsize, dt.name, len(shape))
     backend = get_backend("cpu")
     head = fmt.pack_header(dt, shape, numel, 0, fmt.DEFAULT_BLOCK_ELEMS, fmt.DEFAULT_SUBSTREAM_ELEMS)
     out_mv[: len(head)] = head

@@ -937,8 +937,10 @@ static PyObject *py_compress_blocks(PyObject *self, PyObject *args) {
     j.table = (uint8_t *)dst.buf + table_off;
     j.payload = (uint8_t *)dst.buf + payload_off;
     j.payload_cap = (size_t)(dst.len - payload_off);
-    Py_BEGIN_ALLOW_THREADS run_job(&j, compress_worker, nthreads);
-    Py_END_ALLOW_THREADS if (j.err) {
+    Py_BEGIN_ALLOW_THREADS
+    run_job(&j, compress_worker, nthreads);
+    Py_END_ALLOW_THREADS
+    if (j.err) {
         PyErr_Format(PyExc_ValueError, "block %zu: %s", j.err_block, j.err);
         goto done;
     }
@@ -1002,8 +1004,10 @@ static PyObject *py_decompress_blocks(PyObject *self, PyObject *args) {
         goto done;
     }
     j.offsets = offsets;
-    Py_BEGIN_ALLOW_THREADS run_job(&j, decompress_worker, nthreads);
-    Py_END_ALLOW_THREADS if (j.err) {
+    Py_BEGIN_ALLOW_THREADS
+    run_job(&j, decompress_worker, nthreads);
+    Py_END_ALLOW_THREADS
+    if (j.err) {
         snprintf(msg, sizeof msg, "block %zu: %s", j.err_block, j.err);
         result = PyUnicode_FromString(msg);
         goto done;
@@ -1021,8 +1025,10 @@ static PyObject *py_crc32c(PyObject *self, PyObject *args) {
     unsigned int init = 0;
     if (!PyArg_ParseTuple(args, "y*|I", &b, &init)) return NULL;
     uint32_t c;
-    Py_BEGIN_ALLOW_THREADS c = crc32c(init, b.buf, (size_t)b.len);
-    Py_END_ALLOW_THREADS PyBuffer_Release(&b);
+    Py_BEGIN_ALLOW_THREADS
+    c = crc32c(init, b.buf, (size_t)b.len);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&b);
     return PyLong_FromUnsignedLong(c);
 }
 
