@@ -1,0 +1,103 @@
+"""CPU backend: the C codec, compressed bytes over torch.distributed point-to-point on
+a gloo group. Messages are uint8 tensors (a size header, then the frame); nothing is
+pickled."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from uzip_serve.collectives.base import CollectiveError
+from uzip_serve.collectives.communicator import RingCommunicator
+
+if TYPE_CHECKING:
+    import torch
+
+
+class TorchP2P:
+    """Transport over torch.distributed isend/irecv on one group (group-local ranks).
+    gloo matches messages by (peer, tag) and lets two threads post concurrently."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def isend(self, buf, peer: int, tag: int):
+        import torch.distributed as dist
+
+        return dist.isend(buf, group=self.group, group_dst=peer, tag=tag)
+
+    def irecv(self, buf, peer: int, tag: int):
+        import torch.distributed as dist
+
+        return dist.irecv(buf, group=self.group, group_src=peer, tag=tag)
+
+
+class CpuHopCodec:
+    """uzip frames made by the C codec; `threads` per call (the GIL is released)."""
+
+    def __init__(self, threads: int):
+        self.threads = threads
+
+    def compress(self, src: "torch.Tensor") -> "torch.Tensor":
+        import torch
+
+        from uzip_serve import codec
+
+        frame = codec.compress(src, threads=self.threads)
+        return torch.frombuffer(frame, dtype=torch.uint8) if len(frame) else torch.empty(0, dtype=torch.uint8)
+
+    def decompress(self, payload: "torch.Tensor", out: "torch.Tensor") -> None:
+        from uzip_serve import codec
+
+        codec.decompress(payload.numpy(), out=out, threads=self.threads)
+
+    def empty_bytes(self, nbytes: int) -> "torch.Tensor":
+        import torch
+
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+
+class RawHopCodec:
+    """No compression: the sub-chunk's own bytes (zero copy on the send side)."""
+
+    def __init__(self, device: str = "cpu"):
+        self.device = device
+
+    def compress(self, src: "torch.Tensor") -> "torch.Tensor":
+        import torch
+
+        return src.reshape(-1).view(torch.uint8)
+
+    def decompress(self, payload: "torch.Tensor", out: "torch.Tensor") -> None:
+        import torch
+
+        if payload.numel() != out.numel() * out.element_size():
+            raise CollectiveError(f"raw hop payload of {payload.numel()} bytes for {out.numel()} x {out.dtype}")
+        out.reshape(-1).view(torch.uint8).copy_(payload)
+
+    def empty_bytes(self, nbytes: int) -> "torch.Tensor":
+        import torch
+
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+
+class GlooRingCommunicator(RingCommunicator):
+    """CPU tensors on a gloo group (vLLM: the tp group's `cpu_group`)."""
+
+    device_type = "cpu"
+
+    def __init__(self, group=None, **kw):
+        import torch.distributed as dist
+
+        backend = dist.get_backend(group if group is not None else dist.group.WORLD)
+        if "gloo" not in str(backend):
+            raise CollectiveError(f"GlooRingCommunicator needs a gloo group, got backend {backend!r}")
+        super().__init__(group, **kw)
+
+    def _make_transport(self):
+        return TorchP2P(self.group)
+
+    def _make_codec(self):
+        return CpuHopCodec(self.config.codec_threads)
+
+    def _make_raw_codec(self):
+        return RawHopCodec("cpu")
