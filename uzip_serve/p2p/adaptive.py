@@ -49,7 +49,7 @@ class TransferStats:
     chunks: int = 0
     chunks_compressed: int = 0
     seconds: float = 0.0
-    path: str = "ucx"  # which data path carried it (ucx today; cuda_ipc intra-node later)
+    path: str = "ucx"  # which data path carried it: "ucx", or "cuda_ipc" (same host, CUDA on both sides)
     decisions: list[Decision] = dataclasses.field(default_factory=list)
 
     @property
@@ -73,11 +73,25 @@ class AdaptivePolicy:
     # Below this a chunk goes raw: headers and the probe would cost more than they save.
     MIN_BYTES = 64 << 10
 
-    def __init__(self, mode: str = "auto"):
+    def __init__(self, mode: str = "auto", *, prior_link_gbps: float | None = None,
+                 prior_compress_gbps: float | None = None, prior_decompress_gbps: float | None = None):
         self.mode = mode
-        self.link = Ewma()  # wire bytes per second
+        self.link = Ewma(value=prior_link_gbps and prior_link_gbps * 1e9)  # wire bytes per second
         self.compress_speed = Ewma()  # raw bytes per second
         self.decompress_speed = Ewma()  # raw bytes per second, as reported by a receiver
+        # Priors stand in for measurements not made yet (a path's expected link, the codec it uses).
+        if prior_compress_gbps:
+            self.PRIOR_COMPRESS_GBPS = prior_compress_gbps
+        if prior_decompress_gbps:
+            self.PRIOR_DECOMPRESS_GBPS = prior_decompress_gbps
+
+    @classmethod
+    def for_cuda_ipc(cls, mode: str = "auto") -> "AdaptivePolicy":
+        """The CUDA IPC path's policy. Until measured, the link is assumed NVLink-class
+        (400 GB/s; one GPU copies at ~2000) and the codec the GPU codec as measured on the
+        H200 (~0.2 TB/s, docs/gpu.md): compression does not pay, every transfer goes raw
+        in one step. Only a measured slow path (GPUs without peer access) brings it back."""
+        return cls(mode, prior_link_gbps=400.0, prior_compress_gbps=200.0, prior_decompress_gbps=250.0)
 
     def observe_link(self, wire_bytes: int, seconds: float) -> None:
         if wire_bytes >= self.MIN_BYTES and seconds > 0:

@@ -26,6 +26,12 @@ PROTOCOL_VERSION = 1
 
 MSG_TENSORS = 1  # a transfer of named tensors follows
 
+# Transfer flags. FLAG_CUDA_IPC: the sender offers the intra-node CUDA IPC path; an
+# IPC offer (below) follows the manifest, and the receiver answers it with an ACK-sized
+# reply before anything else (docs/gpu_p2p.md).
+FLAG_CUDA_IPC = 1
+KNOWN_FLAGS = FLAG_CUDA_IPC
+
 # magic, version, msg type, flags, manifest bytes, chunks, chunk bytes, transfer id
 TRANSFER_HEADER = struct.Struct("<4sHHIIIQQ")
 # chunk index, codec, raw bytes, wire bytes, crc32c of the raw bytes (raw chunks only), reserved
@@ -37,6 +43,9 @@ ACK = struct.Struct("<II")
 ACK_OK = 0
 ACK_CHECKSUM = 1  # a chunk failed its checksum or did not decode
 ACK_PROTOCOL = 2  # the transfer broke the protocol or did not fit the destination
+# Reply to an IPC offer only: this receiver cannot map the sender's memory (another host,
+# no CUDA, IPC blocked); the sender goes on with the ordinary chunk stream.
+ACK_IPC_REFUSED = 3
 
 CODEC_RAW = 0  # payload is the raw bytes
 CODEC_UZIP = 1  # payload is one uzip frame (docs/format.md) of the chunk, checksummed inside
@@ -80,7 +89,7 @@ class TransferHeader:
             raise ProtocolError(f"peer speaks protocol v{version}; this side speaks v{PROTOCOL_VERSION}")
         if msg != MSG_TENSORS:
             raise ProtocolError(f"unknown message type {msg}")
-        if flags:
+        if flags & ~KNOWN_FLAGS:
             raise ProtocolError(f"unknown transfer flags 0x{flags:x}")
         if mbytes > max_manifest_bytes:
             raise ProtocolError(f"manifest of {mbytes} bytes exceeds the limit {max_manifest_bytes}")
@@ -210,3 +219,135 @@ def plan_chunks(entries: Sequence[TensorEntry], chunk_bytes: int) -> list[Chunk]
         if batch:
             chunks.append(Chunk(dtype, tuple(batch)))
     return chunks
+
+
+# ---- the CUDA IPC offer (FLAG_CUDA_IPC transfers; docs/gpu_p2p.md) ----------------------------
+#
+# Sent after the manifest as two messages: the fixed head (its last field sizes the body),
+# then the body. Handles are opaque bytes that torch's CUDA IPC produces and consumes; they
+# are parsed by length only, never unpickled.
+
+IPC_MAGIC = b"UZI1"
+IPC_MODE_WHOLE = 0  # raw: the receiver copies every tensor straight from the sender's memory
+IPC_MODE_CHUNKED = 1  # per-chunk headers follow; compressed chunks are read from a staging ring
+IPC_HAS_CHECKSUMS = 1  # offer flag: each tensor descriptor carries the sender's digest
+
+# magic, mode, flags, storages, host id, device id, pid, staging storage, slots, slot bytes,
+# chunk bytes (chunked mode's plan), event handle length, body bytes
+IPC_OFFER_HEAD = struct.Struct("<4sIII16s16sQIIQQII")
+# storage bytes, torch's storage offset, ref-counter offset, event sync required, handle
+# lengths (memory, ref counter, event; 0xFFFF = none)
+_IPC_STORAGE = struct.Struct("<QQQBHHH")
+# storage index (NO_STORAGE for an empty tensor), byte offset in the storage, digest
+_IPC_TENSOR = struct.Struct("<IQQ")
+NO_STORAGE = 0xFFFFFFFF
+_NONE = 0xFFFF
+MAX_HANDLE_BYTES = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class IpcStorage:
+    """One exported allocation, as torch's `UntypedStorage._share_cuda_()` describes it."""
+
+    nbytes: int
+    offset: int  # torch's storage offset inside the exported allocation
+    handle: bytes
+    ref_counter_handle: bytes | None
+    ref_counter_offset: int
+    event_handle: bytes | None
+    event_sync_required: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class IpcOffer:
+    mode: int
+    host_id: bytes
+    device_id: bytes
+    pid: int
+    event_handle: bytes  # an interprocess event recorded on the sender's stream after its writes
+    storages: tuple[IpcStorage, ...]
+    tensors: tuple[tuple[int, int, int], ...]  # (storage index, byte offset, digest) per manifest entry
+    checksums: bool = False
+    staging: int = NO_STORAGE  # storage index of the compressed-chunk ring (chunked mode)
+    slots: int = 0
+    slot_bytes: int = 0
+    chunk_bytes: int = 0
+
+    def pack(self) -> tuple[bytes, bytes]:
+        def opt(b):
+            return _NONE if b is None else len(b)
+
+        parts = []
+        for s in self.storages:
+            parts.append(_IPC_STORAGE.pack(s.nbytes, s.offset, s.ref_counter_offset, int(s.event_sync_required),
+                                           len(s.handle), opt(s.ref_counter_handle), opt(s.event_handle)))
+            parts += [s.handle, s.ref_counter_handle or b"", s.event_handle or b""]
+        parts += [_IPC_TENSOR.pack(*t) for t in self.tensors]
+        parts.append(self.event_handle)
+        body = b"".join(parts)
+        head = IPC_OFFER_HEAD.pack(IPC_MAGIC, self.mode, IPC_HAS_CHECKSUMS if self.checksums else 0,
+                                   len(self.storages), self.host_id, self.device_id, self.pid, self.staging,
+                                   self.slots, self.slot_bytes, self.chunk_bytes, len(self.event_handle), len(body))
+        return head, body
+
+    @staticmethod
+    def unpack_head(buf) -> tuple:
+        """(fields..., body bytes) of the fixed head, checked for sanity before the body is received."""
+        f = IPC_OFFER_HEAD.unpack(bytes(buf))
+        magic, mode, flags, nstorages, *_, body_nbytes = f
+        if magic != IPC_MAGIC:
+            raise ProtocolError(f"not a CUDA IPC offer (magic {magic!r})")
+        if mode not in (IPC_MODE_WHOLE, IPC_MODE_CHUNKED) or flags & ~IPC_HAS_CHECKSUMS:
+            raise ProtocolError(f"unknown IPC offer mode {mode} / flags 0x{flags:x}")
+        if body_nbytes > (64 << 20):
+            raise ProtocolError(f"IPC offer body of {body_nbytes} bytes")
+        return f
+
+    @classmethod
+    def unpack(cls, head_fields: tuple, body, entries: Sequence[TensorEntry]) -> "IpcOffer":
+        (_, mode, flags, nstorages, host_id, device_id, pid, staging, slots, slot_bytes, chunk_bytes, ev_len,
+         body_nbytes) = head_fields
+        mv = memoryview(body).cast("B")
+        if len(mv) != body_nbytes or nstorages > len(entries) + 1:
+            raise ProtocolError("IPC offer body does not match its head")
+        at, storages = 0, []
+
+        def take(n):
+            nonlocal at
+            if n == _NONE:
+                return None
+            if n > MAX_HANDLE_BYTES or at + n > len(mv):
+                raise ProtocolError("IPC offer handle runs past the offer")
+            out = bytes(mv[at:at + n])
+            at += n
+            return out
+
+        try:
+            for _ in range(nstorages):
+                nbytes, offset, rc_off, sync, hlen, rclen, evlen = _IPC_STORAGE.unpack_from(mv, at)
+                at += _IPC_STORAGE.size
+                if hlen == _NONE:
+                    raise ProtocolError("IPC storage without a memory handle")
+                storages.append(IpcStorage(nbytes, offset, take(hlen), take(rclen), rc_off, take(evlen), bool(sync)))
+            tensors = []
+            for e in entries:
+                idx, off, digest = _IPC_TENSOR.unpack_from(mv, at)
+                at += _IPC_TENSOR.size
+                if idx == NO_STORAGE:
+                    if e.nbytes:
+                        raise ProtocolError(f"tensor {e.name!r} has no IPC storage")
+                elif idx >= nstorages or off + e.nbytes > storages[idx].nbytes:
+                    raise ProtocolError(f"tensor {e.name!r}: IPC descriptor outside its storage")
+                tensors.append((idx, off, digest))
+        except struct.error as e:
+            raise ProtocolError(f"malformed IPC offer: {e}") from None
+        event_handle = take(ev_len)
+        if at != len(mv) or not event_handle:
+            raise ProtocolError("malformed IPC offer: trailing bytes or no event handle")
+        if mode == IPC_MODE_CHUNKED:
+            if staging >= nstorages or slots < 1 or slots * slot_bytes > storages[staging].nbytes:
+                raise ProtocolError("IPC offer: staging ring outside its storage")
+            if chunk_bytes < 4096 or chunk_bytes % 64:
+                raise ProtocolError(f"IPC offer: invalid chunk size {chunk_bytes}")
+        return cls(mode, host_id, device_id, pid, event_handle, tuple(storages), tuple(tensors),
+                   bool(flags & IPC_HAS_CHECKSUMS), staging, slots, slot_bytes, chunk_bytes)

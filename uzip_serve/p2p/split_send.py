@@ -9,6 +9,7 @@ codec releases the GIL), which keeps the event loop free to progress the transpo
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -80,11 +81,29 @@ def named_items(tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> list[
     return out
 
 
-def _chunk_bytes(chunk: proto.Chunk, flats: list[torch.Tensor]) -> torch.Tensor:
-    """A chunk's raw bytes on the host: a view for a slice of one tensor, a copy for a batch."""
+def _chunk_source(chunk: proto.Chunk, flats: list[torch.Tensor]) -> torch.Tensor:
+    """A chunk's raw bytes where they live: a view for a slice of one tensor, a copy for a batch."""
     parts = [flats[p.tensor][p.start:p.start + p.nbytes] for p in chunk.pieces]
-    data = parts[0] if len(parts) == 1 else torch.cat([p.cpu() for p in parts])
-    return data.cpu()  # a no-op for host tensors; stages a CUDA slice until a GPU codec exists
+    if len(parts) == 1:
+        return parts[0]
+    if len({p.device for p in parts}) > 1:
+        parts = [p.cpu() for p in parts]
+    return torch.cat(parts)
+
+
+def _chunk_bytes(chunk: proto.Chunk, flats: list[torch.Tensor]) -> torch.Tensor:
+    """A chunk's raw bytes on the host (a no-op view for host tensors)."""
+    return _chunk_source(chunk, flats).cpu()
+
+
+def _gpu_codec():
+    """The GPU codec backend, or None (no CuPy / no GPU): then CUDA chunks use the CPU codec."""
+    try:
+        from uzip_serve.kernels import get_backend as _get
+
+        return _get("cuda")
+    except Exception:  # noqa: BLE001 - ImportError, or a driver that will not load
+        return None
 
 
 def _typed(data: torch.Tensor, dtype: str) -> torch.Tensor:
@@ -105,8 +124,14 @@ class _Encoded:
 
 
 async def send_tensors(channel: Channel, tensors, *, config: TransportConfig, policy: AdaptivePolicy,
-                       executor: Executor, transfer_id: int = 0) -> TransferStats:
-    """Sends named tensors as one transfer. Returns when the last chunk left."""
+                       executor: Executor, transfer_id: int = 0, ipc=None, ipc_policy: AdaptivePolicy | None = None,
+                       stream=None) -> TransferStats:
+    """Sends named tensors as one transfer. Returns when the peer verified all of it.
+
+    `ipc` (a cuda_ipc.Exporter) lets CUDA tensors take the intra-node CUDA IPC path when
+    the peer can map them (same host, CUDA there); `ipc_policy` is that path's own
+    adaptive policy, `stream` the caller's CUDA stream (its pending writes are waited for).
+    """
     loop = asyncio.get_running_loop()
     items = named_items(tensors)
     entries = [proto.TensorEntry(n, str(t.dtype).removeprefix("torch."), tuple(t.shape), t.numel() * t.element_size())
@@ -119,16 +144,24 @@ async def send_tensors(channel: Channel, tensors, *, config: TransportConfig, po
     crc32c = get_backend("cpu").crc32c
     cap = fmt.max_compressed_size(config.chunk_bytes, "uint8")
     staging = [bytearray(cap) for _ in range(2 if config.pipeline else max(1, len(chunks)))]
+    gpu_codec = _gpu_codec() if any(f.is_cuda for f in flats) else None
 
     def encode(k: int) -> _Encoded:
         chunk = chunks[k]
-        data = _chunk_bytes(chunk, flats)
+        data = _chunk_source(chunk, flats)
+        # A CUDA chunk is compressed on its GPU (frame copied out, ~0.67 of the bytes) when
+        # the GPU codec exists; that runs here, on a codec thread, while the previous chunk
+        # is on the wire. Raw chunks and the CPU codec take the bytes to the host first.
+        if not (data.is_cuda and gpu_codec is not None):
+            data = data.cpu()
         typed = _typed(data, chunk.dtype)
         probe = None
         if policy.needs_probe(data.numel()):
             sample = typed[: PROBE_BYTES // typed.element_size()]
             probe = len(uz.compress(sample, threads=1)) / sample.nbytes
         decision = policy.decide(data.numel(), probe)
+        if not decision.compress and data.is_cuda:
+            data = data.cpu()
         if decision.compress:
             buf = staging[k % len(staging)]
             t0 = time.perf_counter()
@@ -140,9 +173,22 @@ async def send_tensors(channel: Channel, tensors, *, config: TransportConfig, po
         return _Encoded(header, _host_view(data), decision)
 
     t_start = time.perf_counter()
-    await channel.send(proto.TransferHeader(len(manifest), len(chunks), config.chunk_bytes, transfer_id).pack())
+    use_ipc = _ipc_eligible(items, config, ipc)
+    flags = proto.FLAG_CUDA_IPC if use_ipc else 0
+    await channel.send(proto.TransferHeader(len(manifest), len(chunks), config.chunk_bytes, transfer_id, flags).pack())
     if manifest:
         await channel.send(manifest)
+    if use_ipc:
+        from uzip_serve.p2p import ipc_send
+
+        done = await ipc_send.send(channel, items, entries, flats, config=config, policy=ipc_policy or policy,
+                                   exporter=ipc, stream=stream, executor=executor)
+        if done is not None:
+            done.seconds = time.perf_counter() - t_start
+            return done
+        # refused (another host, no CUDA there): the same transfer goes on as a chunk stream
+    if stream is not None and any(f.is_cuda for f in flats):
+        stream.synchronize()  # the codec threads read on their own streams: wait for the caller's writes
     if config.pipeline:
         pending = loop.run_in_executor(executor, encode, 0) if chunks else None
         for k in range(len(chunks)):
@@ -166,6 +212,14 @@ async def send_tensors(channel: Channel, tensors, *, config: TransportConfig, po
                  len(entries), stats.chunks, stats.chunks_compressed, stats.raw_bytes / 1e6, stats.wire_bytes / 1e6,
                  stats.seconds)
     return stats
+
+
+def _ipc_eligible(items, config: TransportConfig, ipc) -> bool:
+    """CUDA IPC is offered for a transfer whose non-empty tensors all sit on one GPU."""
+    if ipc is None or ipc.refused or config.cuda_ipc == "off":
+        return False
+    devices = {t.device for _, t in items if t.numel()}
+    return len(devices) == 1 and next(iter(devices)).type == "cuda"
 
 
 async def _send_chunk(channel: Channel, enc: _Encoded, policy: AdaptivePolicy, stats: TransferStats) -> None:
@@ -194,7 +248,8 @@ def _check_into(into: Mapping[str, torch.Tensor], entries: list[proto.TensorEntr
 
 async def recv_tensors(channel: Channel, *, config: TransportConfig, executor: Executor,
                        into: Mapping[str, torch.Tensor] | None = None,
-                       forward: Sequence[Channel] = ()) -> tuple[dict[str, torch.Tensor], TransferStats]:
+                       forward: Sequence[Channel] = (), ipc=None, stream=None,
+                       device=None) -> tuple[dict[str, torch.Tensor], TransferStats]:
     """Receives one transfer. Tensors are returned only once every chunk arrived and
     passed its checksum; on any failure nothing is returned (an `into` tensor may then
     hold partial data) and the sender is told why, where the connection still allows.
@@ -202,10 +257,14 @@ async def recv_tensors(channel: Channel, *, config: TransportConfig, executor: E
     `forward` relays the transfer, cut-through: every message is passed on to each of
     these channels as it arrives (compressed chunks as they are, never recompressed),
     so a chain of receivers costs one slow-link transfer plus a chunk per hop. Returns
-    once the relayed peers acknowledged too."""
+    once the relayed peers acknowledged too.
+
+    `device`: where new tensors are allocated when `into` is not given (default: CPU).
+    `ipc` (a cuda_ipc.Importer) accepts the sender's CUDA IPC offer; the copies then run
+    on `stream` (default: the device's current stream)."""
     relay = _Relay(forward)
     try:
-        result = await _recv_tensors(channel, config, executor, into, relay)
+        result = await _recv_tensors(channel, config, executor, into, relay, ipc=ipc, stream=stream, device=device)
     except (ChecksumError, ProtocolError) as e:
         status = proto.ACK_CHECKSUM if isinstance(e, ChecksumError) else proto.ACK_PROTOCOL
         try:
@@ -248,13 +307,17 @@ class _Relay:
                 raise ChecksumError(f"a relayed peer rejected the transfer (status {status})")
 
 
-async def _recv_tensors(channel, config, executor, into, relay: _Relay):
+async def _recv_tensors(channel, config, executor, into, relay: _Relay, ipc=None, stream=None, device=None):
     loop = asyncio.get_running_loop()
     t_start = time.perf_counter()
     head = bytearray(proto.TRANSFER_HEADER.size)
     await channel.recv(head)
     header = proto.TransferHeader.unpack(head, max_manifest_bytes=config.max_manifest_bytes)
-    relay.pass_on(head)
+    if header.flags & proto.FLAG_CUDA_IPC and relay.channels:
+        # Downstream peers get the chunk stream this receiver asks for, never the offer.
+        relay.pass_on(dataclasses.replace(header, flags=header.flags & ~proto.FLAG_CUDA_IPC).pack())
+    else:
+        relay.pass_on(head)
     manifest = bytearray(header.manifest_nbytes)
     if manifest:
         await channel.recv(manifest)
@@ -265,9 +328,19 @@ async def _recv_tensors(channel, config, executor, into, relay: _Relay):
         raise ProtocolError(f"peer announced {header.num_chunks} chunks, its manifest makes {len(chunks)}")
     if into is not None:
         _check_into(into, entries)
+    if header.flags & proto.FLAG_CUDA_IPC:
+        from uzip_serve.p2p import ipc_send
+
+        got = await ipc_send.recv(channel, entries, header, config=config, importer=None if relay.channels else ipc,
+                                  into=into, stream=stream, device=device, executor=executor)
+        if got is not None:
+            got[1].seconds = time.perf_counter() - t_start
+            return got
+        # refused: the sender goes on with the ordinary chunk stream
+    if into is not None:
         outputs = {e.name: into[e.name] for e in entries}
     else:
-        outputs = {e.name: torch.empty(e.shape, dtype=getattr(torch, e.dtype)) for e in entries}
+        outputs = {e.name: torch.empty(e.shape, dtype=getattr(torch, e.dtype), device=device) for e in entries}
     flats = [_flat_bytes(outputs[e.name]) for e in entries]
     stats = TransferStats(raw_bytes=sum(e.nbytes for e in entries), chunks=len(chunks))
     threads = config.codec_threads or default_threads()
@@ -283,8 +356,9 @@ async def _recv_tensors(channel, config, executor, into, relay: _Relay):
         if ch.codec == proto.CODEC_UZIP:
             p0 = chunk.pieces[0]
             dst = flats[p0.tensor][p0.start:p0.start + p0.nbytes]
-            # One slice of one host tensor: decode straight into it, no staging copy.
-            direct = len(chunk.pieces) == 1 and dst.device.type == "cpu"
+            # One slice of one tensor: decode straight into it, no staging copy (a CUDA
+            # destination is decoded on its GPU when the GPU codec exists).
+            direct = len(chunk.pieces) == 1
             try:
                 if direct:
                     typed = _typed(dst, chunk.dtype)

@@ -3,7 +3,7 @@ background event loop per process (UCX progress happens there)."""
 
 from __future__ import annotations
 
-from uzip_serve.p2p import ucx
+from uzip_serve.p2p import cuda_ipc, ucx
 from uzip_serve.p2p.config import TransportConfig
 from uzip_serve.p2p.loop import run, ucx_loop
 
@@ -21,10 +21,11 @@ class SyncEndpoint:
         return self._ep.policy
 
     def send_tensors(self, tensors):
-        return run(self._ep.send_tensors(tensors))
+        # The stream is read here: the coroutine runs on the UCX loop's thread.
+        return run(self._ep.send_tensors(tensors, stream=cuda_ipc.caller_stream()))
 
-    def recv_tensors(self, into=None):
-        return run(self._ep.recv_tensors(into))
+    def recv_tensors(self, into=None, device=None):
+        return run(self._ep.recv_tensors(into, device=device, stream=cuda_ipc.caller_stream()))
 
     def send_bytes(self, data: bytes) -> None:
         run(self._ep.send_bytes(data))

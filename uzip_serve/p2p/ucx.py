@@ -25,7 +25,7 @@ import os
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 
-from uzip_serve.p2p import split_send
+from uzip_serve.p2p import cuda_ipc, split_send
 from uzip_serve.p2p.loop import call_soon, on_ucx_loop
 from uzip_serve.p2p.adaptive import AdaptivePolicy, TransferStats
 from uzip_serve.p2p.config import TransportConfig
@@ -91,6 +91,10 @@ class Endpoint:
         self._ep = ucx_ep
         self.config = config
         self.policy = AdaptivePolicy(config.compression)
+        # The CUDA IPC path has its own link and codec, so its own policy and state.
+        self.ipc_policy = AdaptivePolicy.for_cuda_ipc(config.compression)
+        self._ipc_exporter = cuda_ipc.Exporter()
+        self._ipc_importer = cuda_ipc.Importer()
         self.last_stats: TransferStats | None = None
         # Codec work runs here so the event loop keeps progressing UCX meanwhile.
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="uzip-codec")
@@ -117,29 +121,36 @@ class Endpoint:
             raise PeerError("endpoint is closed")
 
     # -- transfers --
-    async def send_tensors(self, tensors) -> TransferStats:
+    async def send_tensors(self, tensors, *, stream=None) -> TransferStats:
         """Sends a mapping (or iterable of (name, tensor)) as one transfer. Returns once the
-        peer verified all of it."""
-        return await on_ucx_loop(self._send_tensors(tensors))
+        peer verified all of it. CUDA tensors are read after the pending work of `stream`
+        (default: the caller's current CUDA stream)."""
+        # Taken here, in the caller's thread: torch's current stream is thread-local and the
+        # work hops to the UCX loop's thread.
+        return await on_ucx_loop(self._send_tensors(tensors, stream or cuda_ipc.caller_stream()))
 
-    async def _send_tensors(self, tensors) -> TransferStats:
+    async def _send_tensors(self, tensors, stream=None) -> TransferStats:
         try:
             self.last_stats = await split_send.send_tensors(self, tensors, config=self.config, policy=self.policy,
-                                                            executor=self._executor, transfer_id=next(_ids))
+                                                            executor=self._executor, transfer_id=next(_ids),
+                                                            ipc=self._ipc_exporter, ipc_policy=self.ipc_policy,
+                                                            stream=stream)
             return self.last_stats
         except TransferError:
             self.abort()
             raise
 
-    async def recv_tensors(self, into=None, forward: list["Endpoint"] = ()) -> dict:
-        """Receives one transfer: a new dict of tensors, or written into `into`'s tensors.
-        `forward` relays it, cut-through, to other endpoints (see split_send)."""
-        return await on_ucx_loop(self._recv_tensors(into, forward))
+    async def recv_tensors(self, into=None, forward: list["Endpoint"] = (), device=None, *, stream=None) -> dict:
+        """Receives one transfer: a new dict of tensors (on `device`, default CPU), or written
+        into `into`'s tensors. `forward` relays it, cut-through, to other endpoints (see split_send).
+        CUDA IPC copies run on `stream` (default: the caller's current CUDA stream)."""
+        return await on_ucx_loop(self._recv_tensors(into, forward, device, stream or cuda_ipc.caller_stream()))
 
-    async def _recv_tensors(self, into, forward) -> dict:
+    async def _recv_tensors(self, into, forward, device=None, stream=None) -> dict:
         try:
             out, self.last_stats = await split_send.recv_tensors(self, config=self.config, executor=self._executor,
-                                                                 into=into, forward=forward)
+                                                                 into=into, forward=forward, ipc=self._ipc_importer,
+                                                                 stream=stream, device=device)
             return out
         except TransferError:
             self.abort()
@@ -190,6 +201,7 @@ class Endpoint:
             self._ep.abort()
         finally:
             self._executor.shutdown(wait=False)
+            self._ipc_importer.close()  # lets the peer's allocator have its blocks back
 
     @property
     def closed(self) -> bool:
