@@ -133,11 +133,14 @@ class Exporter:
         self._staging = None
 
     def event_for(self, device: int):
+        """(event, its IPC handle bytes): one interprocess event per device, re-recorded per transfer."""
         ev = self._events.get(device)
         if ev is None:
             torch = _torch()
             with torch.cuda.device(device):
-                ev = torch.cuda.Event(interprocess=True, blocking=False)
+                e = torch.cuda.Event(interprocess=True, blocking=False)
+                e.record()  # an event gets its handle only once it exists on the device
+                ev = (e, bytes(e.ipc_handle()))
             self._events[device] = ev
         return ev
 

@@ -106,11 +106,11 @@ async def send(channel, items, entries, flats, *, config, policy: AdaptivePolicy
             assert off == 0, "the staging ring starts its allocation"
             staging_idx = len(storages)
             storages.append(st)
-        event = exporter.event_for(dev)
+        event, event_handle = exporter.event_for(dev)
         event.record(stream)  # after the caller's writes: the receiver's stream waits on it
 
     offer = proto.IpcOffer(proto.IPC_MODE_CHUNKED if chunked else proto.IPC_MODE_WHOLE, cuda_ipc.host_id(),
-                           cuda_ipc.device_id(dev), os.getpid(), bytes(event.ipc_handle()), tuple(storages),
+                           cuda_ipc.device_id(dev), os.getpid(), event_handle, tuple(storages),
                            tuple(descs), config.ipc_checksum, staging_idx, SLOTS if chunked else 0, slot_bytes,
                            chunk_bytes if chunked else 0)
     head, body = offer.pack()

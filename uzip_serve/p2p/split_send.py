@@ -143,7 +143,7 @@ async def send_tensors(channel: Channel, tensors, *, config: TransportConfig, po
     threads = config.codec_threads or default_threads()
     crc32c = get_backend("cpu").crc32c
     cap = fmt.max_compressed_size(config.chunk_bytes, "uint8")
-    staging = [bytearray(cap) for _ in range(2 if config.pipeline else max(1, len(chunks)))]
+    staging: list[bytearray] = []  # made when the chunk stream starts: bytearray() zero-fills (ms per MiB-scale buffer)
     gpu_codec = _gpu_codec() if any(f.is_cuda for f in flats) else None
 
     def encode(k: int) -> _Encoded:
@@ -189,6 +189,7 @@ async def send_tensors(channel: Channel, tensors, *, config: TransportConfig, po
         # refused (another host, no CUDA there): the same transfer goes on as a chunk stream
     if stream is not None and any(f.is_cuda for f in flats):
         stream.synchronize()  # the codec threads read on their own streams: wait for the caller's writes
+    staging.extend(bytearray(cap) for _ in range(2 if config.pipeline else max(1, len(chunks))))
     if config.pipeline:
         pending = loop.run_in_executor(executor, encode, 0) if chunks else None
         for k in range(len(chunks)):
