@@ -170,6 +170,12 @@ class WeightReceiver:
     world_size) for tensor-parallel slices, whose *full* shape is then registered),
     heartbeats, and applies a version only when the coordinator commits it. Read the
     weights inside `with receiver.reading() as version:` to never see a swap halfway.
+
+    A dict target may hold `device="meta"` tensors: they declare what to expect without
+    allocating it, and versions are then staged in host memory. A caller that copies each
+    committed version elsewhere (the vLLM plugin) calls `release()` to drop it again.
+    A receiver that joins after version N was committed keeps its own weights (version 0)
+    until the next commit.
     """
 
     def __init__(self, target: torch.nn.Module | dict[str, torch.Tensor], *, coordinator: str, receiver_id: str,
@@ -189,6 +195,7 @@ class WeightReceiver:
         self.version = 0
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._watch_after = 0
         self._listener = None
         self._accept_task = None
         self.last_error: str | None = None
@@ -233,6 +240,11 @@ class WeightReceiver:
         with self._lock:
             yield self.version
 
+    def release(self) -> None:
+        """Drops the committed tensors of a dict target, keeping only their specs (meta tensors)."""
+        with self._lock:
+            self._tensors = {n: torch.empty(t.shape, dtype=t.dtype, device="meta") for n, t in self._tensors.items()}
+
     @property
     def tensors(self) -> dict[str, torch.Tensor]:
         """The committed tensors (for a dict target a new dict per version, never mutated)."""
@@ -252,13 +264,17 @@ class WeightReceiver:
                 spec.shard.CopyFrom(pb.ShardSpec(dim=dim, rank=rank, world_size=world))
             spec.shape.extend(shape)
             expected.append(spec)
-        return _rpc(self._stub.Register, pb.RegisterRequest(
+        resp = _rpc(self._stub.Register, pb.RegisterRequest(
             receiver_id=self.receiver_id, p2p_address=self.address, device_kind=self._device_kind(),
             device_vendor="nvidia" if self._device_kind() == "cuda" else "", expected=expected,
             codec_version=fmt.FORMAT_VERSION), 30)
+        # Older commits were made without us: replaying them would only say so, once each.
+        self._watch_after = max(self._watch_after, resp.committed_version)
+        return resp
 
     def _device_kind(self) -> str:
-        return next((t.device.type for t in self._tensors.values()), "cpu")
+        kind = next((t.device.type for t in self._tensors.values()), "cpu")
+        return "cpu" if kind == "meta" else kind  # meta placeholders stage in host memory
 
     def _heartbeat_loop(self) -> None:
         from uzip_serve.coordinator import pb
@@ -281,7 +297,7 @@ class WeightReceiver:
 
         from uzip_serve.coordinator import pb
 
-        seen = self.version
+        seen = max(self.version, self._watch_after)
         while not self._stop.is_set():
             try:
                 for ev in self._stub.WatchVersions(pb.WatchVersionsRequest(after_version=seen,
@@ -375,5 +391,6 @@ class WeightReceiver:
             t = got[name]
             if t.shape != held.shape:
                 raise ValueError(f"{name}: received shape {tuple(t.shape)}, holding {tuple(held.shape)}")
-            out[name] = t.to(device=held.device, dtype=held.dtype)  # the cast comes after the lossless transfer
+            device = t.device if held.device.type == "meta" else held.device
+            out[name] = t.to(device=device, dtype=held.dtype)  # the cast comes after the lossless transfer
         return out
