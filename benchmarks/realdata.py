@@ -16,6 +16,8 @@ real tensors from the two models installed as Python packages (no hub access, ev
                                  (0 = scaled embeddings, i = output of decoder layer i-1), ``hidden.final``
                                  = after the final norm, all [tokens, 640]; ``kv.<layer>.k|v`` = the KV
                                  cache as returned, [1, 1 kv head, tokens, 256].
+  gemma_tiny/                    a 2-layer Gemma-3 with seeded random weights and the real tokenizer
+                                 (~34 MB), for fast vLLM tests.
 
 Usage: ``python -m benchmarks.realdata [--force]`` (or ``make setup``), then ``load(name)``.
 Set ``UZIP_DATA_DIR`` to move the cache (default ``<repo>/.cache/realdata``).
@@ -97,6 +99,7 @@ ARTIFACTS = {
     "minilm_grads": "minilm_grads.safetensors",
     "gemma_hf": "gemma_hf",
     "gemma_activations": "gemma_activations.safetensors",
+    "gemma_tiny": "gemma_tiny",
 }
 
 
@@ -297,6 +300,37 @@ def _verify_gemma(path: Path) -> None:
             log.warning("gemma_hf: expected %r in the continuation; the conversion may be broken", expect)
 
 
+def tiny_dir(cache_dir=None) -> Path:
+    """A 2-layer, randomly initialized Gemma-3 with the real tokenizer: fast vLLM start-ups in tests."""
+    return _cache(cache_dir) / "gemma_tiny"
+
+
+def _build_gemma_tiny(out: Path, ckpt: Path) -> None:
+    _offline()
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(ckpt, local_files_only=True)
+    # The same architecture as the demo model (sliding + full attention, 1 KV head, tied embeddings), shrunk:
+    # its weights are random but seeded, so every build is byte-identical.
+    config.update(dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                       num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=32,
+                       layer_types=["sliding_attention", "full_attention"], max_position_embeddings=2048))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    work = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    shutil.rmtree(work, ignore_errors=True)
+    try:
+        model.save_pretrained(work)
+        for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+            shutil.copy(ckpt / f, work / f)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(work, out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def _build_gemma_activations(path: Path, ckpt: Path) -> None:
     import torch
 
@@ -332,12 +366,13 @@ def _prepare(cache_dir=None, force=False) -> list[tuple[str, Path, float | None]
         "minilm_grads": _build_minilm_grads,
         "gemma_hf": _build_gemma_hf,
         "gemma_activations": lambda p: _build_gemma_activations(p, ckpt),
+        "gemma_tiny": lambda p: _build_gemma_tiny(p, ckpt),
     }
     done = []
     for name, build in builders.items():
         path = cache / ARTIFACTS[name]
         # Activations come from the converted checkpoint: a freshly converted one invalidates them.
-        stale = name == "gemma_activations" and any(n == "gemma_hf" and dt for n, _, dt in done)
+        stale = name in ("gemma_activations", "gemma_tiny") and any(n == "gemma_hf" and dt for n, _, dt in done)
         if path.exists() and not (force or stale):
             done.append((name, path, None))
             continue
@@ -362,7 +397,7 @@ def load(name: str, cache_dir=None) -> dict:
     cache = _cache(cache_dir)
     if name == "gemma_weights":
         files = sorted(gemma_dir(cache).glob("*.safetensors")) or [gemma_dir(cache) / "model.safetensors"]
-    elif name in ARTIFACTS and name != "gemma_hf":
+    elif name in ARTIFACTS and name not in ("gemma_hf", "gemma_tiny"):
         files = [cache / ARTIFACTS[name]]
     else:
         raise KeyError(f"unknown real-data set {name!r}: minilm_weights, minilm_grads, gemma_activations "
