@@ -7,7 +7,7 @@ and the receiver answers with one ACK-sized reply:
   ordinary chunk stream of the same transfer (split_send), so nothing is lost but a round trip.
 - whole mode (raw): the receiver copies every tensor straight out of the sender's
   allocations on its stream, waits for the copies, verifies digests if offered, and its
-  reply is the transfer's final ACK. Four small messages per transfer, whatever its size.
+  reply is the transfer's final ACK. Five small messages per transfer, whatever its size.
 - chunked mode (compression pays or is forced): the reply accepts; then per chunk a
   ChunkHeader from the sender (the frame sits in slot k % slots of the sender's staging
   ring, or a raw chunk is read from the source tensor) and a 4-byte credit back once the
