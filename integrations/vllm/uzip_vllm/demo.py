@@ -226,9 +226,13 @@ def main(argv=None) -> int:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--workdir", default=None, help="logs and state (default: a temp dir, removed on success)")
+    ap.add_argument("--compression", choices=["on", "auto", "off"], default="on",
+                    help="'on' (default here): compress every chunk. On loopback 'auto' sends raw, rightly: "
+                         "the link is faster than the codec on a small host; it compresses on real links.")
     args = ap.parse_args(argv)
 
     import uzip_serve
+    from uzip_serve.p2p.config import TransportConfig
 
     model = args.model
     if model is None:
@@ -259,7 +263,8 @@ def main(argv=None) -> int:
             for step in range(1, args.versions + 1):
                 state = rl_update(state, step)
                 t_push = time.perf_counter()
-                res = uzip_serve.push_weights(state, coordinator=coordinator, progress=sys.stderr.isatty())
+                res = uzip_serve.push_weights(state, coordinator=coordinator, progress=sys.stderr.isatty(),
+                                              config=TransportConfig(compression=args.compression))
                 wait_version(url, res.version)
                 t_served = time.perf_counter() - t_push
                 text, v = complete(url, model, PROMPTS[0], args.max_tokens)
