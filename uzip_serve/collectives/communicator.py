@@ -204,8 +204,8 @@ class RingCommunicator(Communicator):
     def _probe_ratio(self, x: "torch.Tensor") -> float:
         flat = x.reshape(-1)
         sample = flat[: max(1, RATIO_PROBE_BYTES // x.element_size())]
-        payload = self.codec.compress(sample)
-        return payload.numel() / (sample.numel() * sample.element_size())
+        buf = self.codec.empty_bytes(self.codec.max_nbytes(sample.numel(), sample.dtype))
+        return self.codec.encode_into(sample, buf) / (sample.numel() * sample.element_size())
 
     def _calibrate(self, x: "torch.Tensor") -> None:
         """Measures the link (native all-reduce), the codec on this data (every rank at
@@ -240,19 +240,20 @@ class RingCommunicator(Communicator):
         sample = flat[: max(1, SAMPLE_BYTES // x.element_size())]
         sample_bytes = sample.numel() * sample.element_size()
         self._agree_max([0.0])  # line the ranks up
-        t_c, t_d, payload = math.inf, math.inf, None
+        t_c, t_d, nbytes = math.inf, math.inf, 0
         tmp = torch.empty_like(sample)
+        buf = self.codec.empty_bytes(self.codec.max_nbytes(sample.numel(), sample.dtype))
         for _ in range(2):
             t0 = time.perf_counter()
-            payload = self.codec.compress(sample)
+            nbytes = self.codec.encode_into(sample, buf)
             self._sync(dev)
             t1 = time.perf_counter()
-            self.codec.decompress(payload, tmp)
+            self.codec.decode(buf[:nbytes], tmp)
             torch.add(tmp, sample, out=tmp)
             self._sync(dev)
             t2 = time.perf_counter()
             t_c, t_d = min(t_c, t1 - t0), min(t_d, t2 - t1)
-        ratio = payload.numel() / sample_bytes
+        ratio = nbytes / sample_bytes
         # The pipeline's fixed cost per hop: a compressed ring on one element per rank.
         one = torch.zeros(n, dtype=x.dtype, device=dev)
         out = torch.empty_like(one)

@@ -15,7 +15,12 @@ if TYPE_CHECKING:
 
 class TorchP2P:
     """Transport over torch.distributed isend/irecv on one group (group-local ranks).
-    gloo matches messages by (peer, tag) and lets two threads post concurrently."""
+
+    gloo matches messages by (peer, tag) and receives a message into a buffer larger
+    than it, so hops go as one message each, header first (`exact_sizes = False`).
+    """
+
+    exact_sizes = False
 
     def __init__(self, group):
         self.group = group
@@ -37,15 +42,17 @@ class CpuHopCodec:
     def __init__(self, threads: int):
         self.threads = threads
 
-    def compress(self, src: "torch.Tensor") -> "torch.Tensor":
-        import torch
-
+    def max_nbytes(self, numel: int, dtype) -> int:
         from uzip_serve import codec
 
-        frame = codec.compress(src, threads=self.threads)
-        return torch.frombuffer(frame, dtype=torch.uint8) if len(frame) else torch.empty(0, dtype=torch.uint8)
+        return codec.max_compressed_size(numel * _itemsize(dtype), dtype)
 
-    def decompress(self, payload: "torch.Tensor", out: "torch.Tensor") -> None:
+    def encode_into(self, src: "torch.Tensor", out: "torch.Tensor") -> int:
+        from uzip_serve import codec
+
+        return codec.compress_into(src, out.numpy(), threads=self.threads)
+
+    def decode(self, payload: "torch.Tensor", out: "torch.Tensor") -> None:
         from uzip_serve import codec
 
         codec.decompress(payload.numpy(), out=out, threads=self.threads)
@@ -57,17 +64,22 @@ class CpuHopCodec:
 
 
 class RawHopCodec:
-    """No compression: the sub-chunk's own bytes (zero copy on the send side)."""
+    """No compression: the sub-chunk's own bytes (the uncompressed ring)."""
 
     def __init__(self, device: str = "cpu"):
         self.device = device
 
-    def compress(self, src: "torch.Tensor") -> "torch.Tensor":
+    def max_nbytes(self, numel: int, dtype) -> int:
+        return numel * _itemsize(dtype)
+
+    def encode_into(self, src: "torch.Tensor", out: "torch.Tensor") -> int:
         import torch
 
-        return src.reshape(-1).view(torch.uint8)
+        n = src.numel() * src.element_size()
+        out[:n].copy_(src.reshape(-1).view(torch.uint8))
+        return n
 
-    def decompress(self, payload: "torch.Tensor", out: "torch.Tensor") -> None:
+    def decode(self, payload: "torch.Tensor", out: "torch.Tensor") -> None:
         import torch
 
         if payload.numel() != out.numel() * out.element_size():
@@ -78,6 +90,12 @@ class RawHopCodec:
         import torch
 
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+
+def _itemsize(dtype) -> int:
+    import torch
+
+    return torch.empty(0, dtype=dtype).element_size()
 
 
 class GlooRingCommunicator(RingCommunicator):

@@ -27,20 +27,17 @@ can leave as soon as sub-chunk j of step s is reduced. In the all-gather a rank
 forwards the frames it received without recompressing them: only the owner of a chunk
 compresses its final values, once.
 
-Threads per call (all persistent, owned by the communicator):
-  caller   posts the receives, waits for each payload, hands it to the worker
-  sender   compresses sub-chunks (the C codec releases the GIL) and posts the sends
-  worker   decompresses and reduces received sub-chunks, in arrival order
+Every hop message is a 32-byte header (the frame size, the collective's size and
+dtype, for a clear error when ranks disagree) then the frame, both uint8/int64
+tensors: nothing is pickled.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol
 
 from uzip_serve.collectives.base import CollectiveError
@@ -152,7 +149,15 @@ class Work(Protocol):
 
 class Transport(Protocol):
     """Point-to-point messages between ranks of one group, matched by (peer, tag).
-    Sizes are exact: a receive buffer has the size of the message sent."""
+
+    `exact_sizes`: True if a receive buffer must have the size of the message sent
+    (NCCL); then every hop sends a header message before its payload. False if a
+    larger buffer may receive a shorter message (gloo); then the header leads the same
+    message and every receive is posted before the data leaves, which halves the
+    messages and takes the size round trip off the critical path.
+    """
+
+    exact_sizes: bool
 
     def isend(self, buf: "torch.Tensor", peer: int, tag: int) -> Work: ...
 
@@ -160,21 +165,32 @@ class Transport(Protocol):
 
 
 class HopCodec(Protocol):
-    """Turns a 1-D tensor into a uint8 payload tensor and back, losslessly."""
+    """Writes a 1-D tensor into a uint8 buffer losslessly, and reads it back."""
 
-    def compress(self, src: "torch.Tensor") -> "torch.Tensor": ...
+    def max_nbytes(self, numel: int, dtype) -> int:
+        """The most bytes `encode_into` can write for `numel` elements of `dtype`."""
+        ...
 
-    def decompress(self, payload: "torch.Tensor", out: "torch.Tensor") -> None: ...
+    def encode_into(self, src: "torch.Tensor", out: "torch.Tensor") -> int:
+        """Encodes `src` into the uint8 tensor `out`; returns the bytes written."""
+        ...
+
+    def decode(self, payload: "torch.Tensor", out: "torch.Tensor") -> None:
+        """Decodes exactly `payload` into `out` (contiguous, the encoded shape)."""
+        ...
 
     def empty_bytes(self, nbytes: int) -> "torch.Tensor": ...
 
 
-# One header per hop message: int64[HEADER_WORDS], sent before the payload.
-#   [0] HEADER_MAGIC: "UZAR" and the protocol version (bumped on any layout change)
-#   [1] numel of the whole collective's input on the sender (elements)
+# Every hop message carries this header, int64[HEADER_WORDS] (32 bytes), little-endian:
+#   [0] HEADER_MAGIC: "UZAR" << 16 | protocol version (bumped on any layout change)
+#   [1] numel of the collective's whole input on the sender (elements)
 #   [2] dtype code of docs/format.md
-#   [3] payload size in bytes (the compressed frame)
+#   [3] payload size in bytes (the uzip frame, or the raw bytes on the uncompressed ring)
+# On exact-size transports it is its own message, before the payload; otherwise the
+# payload follows it in the same message.
 HEADER_WORDS = 4
+HEADER_NBYTES = HEADER_WORDS * 8
 HEADER_VERSION = 1
 HEADER_MAGIC = (0x55_5A_41_52 << 16) | HEADER_VERSION
 
@@ -187,26 +203,15 @@ class RunStats:
     decompress_s: float = 0.0
 
 
-class _Slot:
-    """A value one thread hands to another, or the error that prevents it."""
-
-    __slots__ = ("event", "value")
-
-    def __init__(self):
-        self.event = threading.Event()
-        self.value = None
-
-    def put(self, value) -> None:
-        self.value = value
-        self.event.set()
-
-
-class _Aborted(Exception):
-    pass
-
-
 class RingEngine:
-    """Runs compressed ring collectives on one group. Owns two worker threads."""
+    """Runs ring collectives on one group, in the calling thread.
+
+    One thread is enough: sends and receives are asynchronous (the transport's own
+    threads move the bytes), so while sub-chunk t is on the wire this thread compresses
+    t+1, and while t+1 is on the wire it decompresses and reduces t. Handing work between
+    Python threads cost milliseconds per hop on a loaded 2-core machine (measured), more
+    than it saved.
+    """
 
     def __init__(self, transport: Transport, rank: int, world: int, *, dtype_code_of, sub_chunk_bytes: int,
                  min_sub_chunk_bytes: int):
@@ -216,12 +221,9 @@ class RingEngine:
         self._dtype_code_of = dtype_code_of
         self.sub_chunk_bytes = sub_chunk_bytes
         self.min_sub_chunk_bytes = min_sub_chunk_bytes
-        self._sender = ThreadPoolExecutor(1, thread_name_prefix="uzip-ring-send")
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="uzip-ring-work")
 
     def close(self) -> None:
-        self._sender.shutdown(wait=True)
-        self._worker.shutdown(wait=True)
+        pass
 
     def sub_bytes(self, chunk_nbytes: int) -> int:
         """Sub-chunk size for a chunk: about a quarter of it (so the pipeline has
@@ -245,152 +247,142 @@ class RingEngine:
             out[b[rank]:b[rank + 1]].copy_(x)
         else:
             b = chunk_bounds(x.numel(), world) if chunk_elems is None else [c * chunk_elems for c in range(world + 1)]
+        itemsize = x.element_size()
         chunk_max = max(b[c + 1] - b[c] for c in range(world))
-        sub = max(1, self.sub_bytes(chunk_max * x.element_size()) // x.element_size())
+        sub = max(1, self.sub_bytes(chunk_max * itemsize) // itemsize)
         subs = [sub_bounds(b[c], b[c + 1], sub) for c in range(world)]
         steps = []  # (phase, send chunk, recv chunk)
         if "rs" in phases:
             steps += [("rs", rs_send_chunk(rank, s, world), rs_recv_chunk(rank, s, world)) for s in range(world - 1)]
         if "ag" in phases:
             steps += [("ag", ag_send_chunk(rank, s, world), ag_recv_chunk(rank, s, world)) for s in range(world - 1)]
+        # Sends and receives, each in the one order every rank uses. The chunk sent at step
+        # i is the one received at step i-1, cut the same way, so sending (i, j) needs
+        # (i-1, j) received (and, in the reduce-scatter, reduced).
+        send_items = [(i, j) for i, (_, c, _) in enumerate(steps) for j in range(len(subs[c]))]
+        items = [(i, j) for i, (_, _, c) in enumerate(steps) for j in range(len(subs[c]))]
         max_subs = max(len(s) for s in subs)
         right, left = (rank + 1) % world, (rank - 1) % world
         total_numel = x.numel() if phases != "ag" else out.numel()
         dcode = self._dtype_code_of(x.dtype)
+        exact = self.transport.exact_sizes
+        dev = x.device
+        stats = RunStats()
 
         def tag(i: int, j: int, kind: int) -> int:
             return ((i * max_subs + j) << 1) | kind
 
-        # ready[i][j]: what step i sends as sub-chunk j: ("src", tensor view) to compress,
-        # or ("frame", payload) to forward as is.
-        ready = [[_Slot() for _ in subs[c]] for (_, c, _) in steps]
-        error: list[BaseException] = []
-        stats = RunStats()
-        stat_lock = threading.Lock()
-        itemsize = x.element_size()
+        def capacity(t: int) -> int:
+            i, j = items[t]
+            lo, hi = subs[steps[i][2]][j]
+            return HEADER_NBYTES + codec.max_nbytes(hi - lo, x.dtype)
 
-        def fail(e: BaseException) -> None:
-            if not error:
-                error.append(e)
-            for row in ready:
-                for slot in row:
-                    slot.event.set()
+        # Receives: exact-size transports post the headers now and each payload once its
+        # header is in; the others post every whole message now.
+        recv_bufs, recv_works = [], []
+        for t, (i, j) in enumerate(items):
+            buf = codec.empty_bytes(HEADER_NBYTES if exact else capacity(t))
+            recv_bufs.append(buf)
+            recv_works.append(self.transport.irecv(buf, left, tag(i, j, 0)))
+        payload_works = {}
+        send_works, keep = [], []
+        frames = {}  # (i, j) -> received message to forward at step i+1 (all-gather)
+        header_of = torch.empty(HEADER_WORDS, dtype=torch.int64)
 
-        def wait(slot: _Slot):
-            slot.event.wait()
-            if error:
-                raise _Aborted()
-            return slot.value
-
-        # Step 0 sends local data; every later step waits for the previous one's result.
-        src0 = x if steps[0][0] == "rs" else out
-        for j, (lo, hi) in enumerate(subs[steps[0][1]]):
-            ready[0][j].put(("src", src0[lo:hi]))
-
-        def send_all() -> list:
-            works, keep = [], []
-            try:
-                for i, (phase, c, _) in enumerate(steps):
-                    for j in range(len(subs[c])):
-                        kind, val = wait(ready[i][j])
-                        if kind == "src":
-                            t0 = time.perf_counter()
-                            payload = codec.compress(val)
-                            with stat_lock:
-                                stats.compress_s += time.perf_counter() - t0
-                        else:
-                            payload = val
-                        head = torch.tensor([HEADER_MAGIC, total_numel, dcode, payload.numel()], dtype=torch.int64)
-                        head = self._to_device(head, x)
-                        keep += [head, payload]
-                        works.append(self.transport.isend(head, right, tag(i, j, 0)))
-                        works.append(self.transport.isend(payload, right, tag(i, j, 1)))
-                        with stat_lock:
-                            stats.wire_bytes += payload.numel() + HEADER_WORDS * 8
-                            lo, hi = subs[c][j]
-                            stats.raw_bytes += (hi - lo) * itemsize
-                for w in works:
-                    w.wait()
-                return keep
-            except _Aborted:
-                return keep
-            except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
-                fail(e)
-                raise
-
-        def process(i: int, j: int, payload: "torch.Tensor") -> None:
-            try:
-                phase, _, c = steps[i]
-                lo, hi = subs[c][j]
+        def send(t: int) -> None:
+            i, j = send_items[t]
+            phase, c, _ = steps[i]
+            lo, hi = subs[c][j]
+            msg = frames.pop((i, j), None)  # the all-gather forwards what it received
+            if msg is None:
+                src = x if (i == 0 and phase == "rs") else out
+                msg = codec.empty_bytes(HEADER_NBYTES + codec.max_nbytes(hi - lo, x.dtype))
                 t0 = time.perf_counter()
-                if phase == "rs":
-                    tmp = torch.empty(hi - lo, dtype=x.dtype, device=x.device)
-                    codec.decompress(payload, tmp)
-                    reduce_into(out[lo:hi], tmp, x[lo:hi])
-                else:
-                    codec.decompress(payload, out[lo:hi])
-                with stat_lock:
-                    stats.decompress_s += time.perf_counter() - t0
-                # The chunk received at step i is sent at step i+1 (same sub-chunks).
-                if i + 1 < len(steps) and phase == "rs":
-                    ready[i + 1][j].put(("src", out[lo:hi]))
-            except BaseException as e:  # noqa: BLE001
-                fail(e)
-                raise
+                n = codec.encode_into(src[lo:hi], msg[HEADER_NBYTES:])
+                stats.compress_s += time.perf_counter() - t0
+                header_of.copy_(torch.tensor([HEADER_MAGIC, total_numel, dcode, n], dtype=torch.int64))
+                msg[:HEADER_NBYTES].copy_(header_of.view(torch.uint8).to(dev))
+                msg = msg[:HEADER_NBYTES + n]
+            keep.append(msg)
+            if exact:
+                send_works.append(self.transport.isend(msg[:HEADER_NBYTES], right, tag(i, j, 0)))
+                send_works.append(self.transport.isend(msg[HEADER_NBYTES:], right, tag(i, j, 1)))
+            else:
+                send_works.append(self.transport.isend(msg, right, tag(i, j, 0)))
+            stats.wire_bytes += msg.numel()
+            stats.raw_bytes += (hi - lo) * itemsize
 
-        sender: Future = self._sender.submit(send_all)
-        processing: list[Future] = []
-        try:
-            heads, head_works = {}, {}
-            for i, (_, _, c) in enumerate(steps):  # every header receive up front: they are tiny
-                for j in range(len(subs[c])):
-                    heads[i, j] = self._to_device(torch.empty(HEADER_WORDS, dtype=torch.int64), x)
-                    head_works[i, j] = self.transport.irecv(heads[i, j], left, tag(i, j, 0))
-
-            def post(i: int, j: int):
-                head_works[i, j].wait()
-                h = heads[i, j].cpu().tolist()
-                self._check_header(h, total_numel, dcode)
+        def head(t: int) -> int:
+            """Waits for item t's header; on exact-size transports posts its payload."""
+            try:
+                recv_works[t].wait()
+            except RuntimeError as e:
+                raise CollectiveError(
+                    f"rank {rank}: receiving hop {items[t]} from rank {left} failed ({e}); the usual cause is "
+                    "ranks passing different sizes or dtypes (RingConfig(validate=True) checks before sending)"
+                ) from e
+            h = recv_bufs[t][:HEADER_NBYTES].cpu().view(torch.int64).tolist()
+            self._check_header(h, total_numel, dcode)
+            if exact:
+                i, j = items[t]
                 payload = codec.empty_bytes(h[3])
-                return (i, j, payload, self.transport.irecv(payload, left, tag(i, j, 1)))
+                payload_works[t] = (payload, self.transport.irecv(payload, left, tag(i, j, 1)))
+            return h[3]
 
-            for i, (_, _, c) in enumerate(steps):
-                # Within a step, the next payload's receive is posted before waiting for the
-                # current one. Never across steps: the next step's header depends on the peer
-                # having received what this one is waiting for.
-                pending = None
-                for j in range(len(subs[c])):
-                    nxt = post(i, j)
-                    if pending is not None:
-                        self._finish_recv(pending, steps, ready, processing, process)
-                    pending = nxt
-                    if error:
-                        break
-                if error:
-                    break
-                self._finish_recv(pending, steps, ready, processing, process)
-            for f in processing:
-                f.result()
-            sender.result()
-        except BaseException as e:
-            fail(e)
-            raise
-        finally:
-            if error:
-                for f in processing:
-                    f.exception()
-                sender.exception()
-        if error:
-            raise error[0]
+        sizes = {}
+
+        def process(t: int) -> None:
+            i, j = items[t]
+            phase, _, c = steps[i]
+            lo, hi = subs[c][j]
+            n = sizes.pop(t)
+            if exact:
+                payload, work = payload_works.pop(t)
+                work.wait()
+                msg = torch.cat([recv_bufs[t], payload]) if phase == "ag" and i + 1 < len(steps) else None
+            else:
+                msg = recv_bufs[t][:HEADER_NBYTES + n]
+                payload = msg[HEADER_NBYTES:]
+            if phase == "ag" and i + 1 < len(steps):
+                frames[i + 1, j] = msg
+            t0 = time.perf_counter()
+            if phase == "rs":
+                tmp = torch.empty(hi - lo, dtype=x.dtype, device=dev)
+                codec.decode(payload, tmp)
+                reduce_into(out[lo:hi], tmp, x[lo:hi])
+            else:
+                codec.decode(payload, out[lo:hi])
+            stats.decompress_s += time.perf_counter() - t0
+            recv_bufs[t] = None
+
+        # Sends go out as soon as their input is ready, in order; only receives block. The
+        # transport moves bytes in the background, so compressing item t+1 overlaps item t
+        # on the wire, and decoding a received item overlaps the next one arriving. No
+        # cycle of waits can form: what a rank waits for depends only on earlier steps.
+        processed = set()
+        next_send = 0
+
+        def pump() -> None:
+            nonlocal next_send
+            while next_send < len(send_items):
+                i, j = send_items[next_send]
+                if i > 0 and (i - 1, j) not in processed:
+                    return
+                send(next_send)
+                next_send += 1
+
+        pump()
+        for t in range(len(items)):
+            sizes[t] = head(t)
+            process(t)
+            processed.add(items[t])
+            pump()
+        if next_send != len(send_items):  # pragma: no cover - the schedule guarantees it
+            raise RuntimeError(f"ring schedule stalled at send {next_send} of {len(send_items)}")
+        for w in send_works:
+            w.wait()
+        del keep
         return stats
-
-    def _finish_recv(self, pending, steps, ready, processing, process) -> None:
-        i, j, payload, work = pending
-        work.wait()
-        phase = steps[i][0]
-        if phase == "ag" and i + 1 < len(steps):
-            ready[i + 1][j].put(("frame", payload))  # forward the frame untouched
-        processing.append(self._worker.submit(process, i, j, payload))
 
     def _check_header(self, h: list[int], numel: int, dcode: int) -> None:
         left = (self.rank - 1) % self.world
@@ -401,7 +393,3 @@ class RingEngine:
             raise CollectiveError(f"rank {self.rank}: rank {left} runs this collective on {h[1]} elements of "
                                   f"dtype code {h[2]}, this rank on {numel} elements of dtype code {dcode}: "
                                   "every rank must pass the same size and dtype")
-
-    @staticmethod
-    def _to_device(t: "torch.Tensor", like: "torch.Tensor") -> "torch.Tensor":
-        return t if like.device.type == "cpu" else t.to(like.device)
