@@ -342,3 +342,49 @@ def test_threshold_model():
     pol.set_measurements(Measurements(native_latency_s=1e-4, link_Bps=5e9, compress_Bps=1e9, decompress_Bps=1.5e9,
                                       hop_latency_s=3e-4, ratio={"bfloat16": 0.69}))
     assert pol.threshold("bfloat16") == math.inf
+
+
+# ---- CUDA backend: needs two GPUs (never in CI); the lead runs it on the GPU machine ----
+
+def _cuda_worker(rank: int, world: int, port: int, q) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    try:
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=120))
+        from uzip_serve import collectives as C
+
+        comm = C.build_communicator(config=C.RingConfig(compression="on"))
+        problems = []
+        for dtype in (torch.bfloat16, torch.float32):
+            for numel in (1, 1000, (1 << 20) + 5):
+                x = _random(numel, dtype, seed=1000 * rank + numel)
+                out = comm.all_reduce(x.cuda()).cpu()
+                parts = [torch.empty_like(x).cuda() for _ in range(world)]
+                dist.all_gather(parts, x.cuda())
+                want = C.ring_sum_reference([p.cpu() for p in parts])
+                if not torch.equal(_bits(out), _bits(want)):
+                    problems.append(f"{dtype} {numel}: differs from ring_sum_reference")
+        q.put((rank, problems, None))
+    except BaseException:  # noqa: BLE001
+        q.put((rank, None, traceback.format_exc()))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_cuda_ring_matches_cpu_reference():
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_cuda_worker, args=(r, 2, port, q), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    answers = [q.get(timeout=300) for _ in procs]
+    for p in procs:
+        p.join(30)
+    errors = [f"rank {r}: {err or problems}" for r, problems, err in answers if err or problems]
+    assert not errors, "\n".join(errors)
