@@ -106,7 +106,33 @@ def ours(x_list, repeats, check_cpu):
     d_ms = time_ms(lambda i, r: codec.decompress_device(outs[r % len(outs)][:sizes[r % len(outs)]],
                                                           header=hdrs[r % len(outs)], out=ys[r % len(ys)],
                                                           check=False), list(range(len(x_list))), repeats)
-    return {"ratio": n / (x.numel() * x.element_size()), "c_ms": c_ms, "d_ms": d_ms, "exact": bool(exact)}
+    res = {"ratio": n / (x.numel() * x.element_size()), "c_ms": c_ms, "d_ms": d_ms, "exact": bool(exact)}
+    if x.numel() * x.element_size() <= 64 * MiB:
+        res.update(graph_times(x, outs[0], n, hdrs[0], ys[0], repeats))
+    return res
+
+
+def graph_times(x, out, n, hdr, y, repeats):
+    """The capture-safe path replayed from CUDA graphs (no Python or launch overhead):
+    compress alone, decompress alone, and compress + decompress in one graph."""
+    size = torch.zeros(1, dtype=torch.int64, device="cuda")
+    steps = {"c": lambda: codec.compress_device_async(x, out, size),
+             "d": lambda: codec.decompress_device(out[:n], header=hdr, out=y, check=False),
+             "cd": lambda: (codec.compress_device_async(x, out, size),
+                            codec.decompress_device(out[:n], header=hdr, out=y, check=False))}
+    res = {}
+    for key, fn in steps.items():
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        res[f"graph_{key}_ms"] = time_ms(lambda i, r: g.replay(), [0], max(repeats, 20))
+    torch.cuda.synchronize()
+    return res
 
 
 def nvcomp_configs(dtype):
@@ -160,7 +186,14 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--sizes", default=",".join(str(s // MiB) for s in SIZES))
     ap.add_argument("--no-nvcomp", action="store_true")
+    ap.add_argument("--only", default="", help="comma-separated data names (default: all)")
+    ap.add_argument("--crc-micro", action="store_true", help="time crc_par alone (1 GiB in 128 KiB segments)")
+    ap.add_argument("--profile", action="store_true", help="per-kernel times (torch profiler) at 1 MiB and 256 MiB")
     args = ap.parse_args(argv)
+    if args.crc_micro:
+        return crc_micro(args.repeats)
+    if args.profile:
+        return profile_kernels()
     sizes = [int(s) * MiB for s in args.sizes.split(",")]
     torch.manual_seed(0)
     base = {"normal-bf16": (torch.randn(64 * MiB, device="cuda") * 0.02).to(torch.bfloat16)}
@@ -174,7 +207,10 @@ def main(argv=None):
         except ImportError as e:
             print("nvCOMP unavailable:", e)
     results = []
+    only = [o for o in args.only.split(",") if o]
     for name, src in base.items():
+        if only and name not in only:
+            continue
         for size in sizes:
             if name != "normal-bf16" and size > 256 * MiB:
                 continue
@@ -198,7 +234,9 @@ def main(argv=None):
             u = row["uzip"]
             print(f"{name:22s} {size // MiB:5d} MiB  uzip r={u['ratio']:.4f} c={size / u['c_ms'] / 1e6:7.1f} GB/s "
                   f"({u['c_ms'] * 1e3:8.1f} us) d={size / u['d_ms'] / 1e6:7.1f} GB/s ({u['d_ms'] * 1e3:8.1f} us) "
-                  f"exact={u['exact']}", flush=True)
+                  f"exact={u['exact']}" + (f" graph c/d/cd {u['graph_c_ms'] * 1e3:.1f}/{u['graph_d_ms'] * 1e3:.1f}/"
+                                            f"{u['graph_cd_ms'] * 1e3:.1f} us" if "graph_c_ms" in u else ""),
+                  flush=True)
             for cname in ("nvcomp-ANS-256K", "nvcomp-ANS-default", "nvcomp-Bitcomp"):
                 r = row.get(cname)
                 if r and "ratio" in r:
@@ -247,6 +285,65 @@ def main(argv=None):
         fig.savefig(out / "codec_gpu.png", dpi=110)
     except Exception as e:  # noqa: BLE001
         print("no plot:", e)
+
+
+def crc_micro(repeats):
+    """crc_par's throughput and correctness on its own (the variant timing for CRC_SLICE)."""
+    from uzip_serve.kernels import cuda as kc
+
+    crc = uz.codec.get_backend("cpu").crc32c
+    g = torch.Generator(device="cuda").manual_seed(1)
+    data = torch.randint(0, 256, (1 << 30,), dtype=torch.uint8, device="cuda", generator=g)
+    for seg in (128 * 1024, 87 * 1024 + 5):
+        got = kc.crc32c_segments(data, seg)
+        head = data[: 3 * seg].cpu().numpy().tobytes()
+        ok = all((int(got[i]) & 0xFFFFFFFF) == crc(head[i * seg:(i + 1) * seg]) for i in range(3))
+        ms = time_ms(lambda i, r: kc.crc32c_segments(data, seg), [0], repeats)
+        print(f"CRC_SLICE={kc.CRC_SLICE} seg={seg} crc_par {data.numel() / ms / 1e6:7.1f} GB/s  correct={ok}",
+              flush=True)
+
+
+def profile_kernels():
+    from torch.profiler import ProfilerActivity, profile
+
+    for mib in (1, 256):
+        x = (torch.randn(mib << 19, device="cuda") * 0.02).bfloat16()
+        cap = uz.max_compressed_size(x.numel() * 2, x.dtype)
+        out = torch.empty(cap, dtype=torch.uint8, device="cuda")
+        size = torch.zeros(1, dtype=torch.int64, device="cuda")
+        codec.compress_device_async(x, out, size)
+        n = int(size.item())
+        hdr = uz.read_header(out[:n].cpu().numpy().tobytes())
+        y = torch.empty_like(x)
+        codec.decompress_device(out[:n], header=hdr, out=y)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as p:
+            for _ in range(5):
+                codec.compress_device_async(x, out, size)
+                codec.decompress_device(out[:n], header=hdr, out=y, check=False)
+            torch.cuda.synchronize()
+        print(f"--- {mib} MiB bf16, 5 x (compress + decompress)")
+        print(p.key_averages().table(sort_by="cuda_time_total", row_limit=10, max_name_column_width=28))
+        print_phases()
+
+
+def print_phases():
+    """Block 0's phase marks (a build with -DUZ_PHASES): cycles between marks, and the clock."""
+    try:
+        import cupy
+
+        from uzip_serve.kernels import cuda as kc
+
+        ptr = kc._module(0).get_global("UZ_PH")
+    except Exception:  # noqa: BLE001 - not an instrumented build
+        return
+    ph = cupy.ndarray((3, 16), dtype=cupy.uint64, memptr=ptr).get().astype("int64")
+    for row, name in enumerate(("uz_dec_fast", "uz_enc_stats", "uz_enc_write")):
+        marks = [int(v) for v in ph[row][:14] if v]
+        ns = int(ph[row][15] - ph[row][14])
+        mhz = (marks[-1] - marks[0]) / ns * 1e3 if ns > 0 and len(marks) > 1 else 0
+        print(f"  phases {name}: cycles between marks {[b - a for a, b in zip(marks, marks[1:])]} "
+              f"total {marks[-1] - marks[0] if marks else 0} = {ns / 1e3:.1f} us at {mhz:.0f} MHz")
 
 
 if __name__ == "__main__":

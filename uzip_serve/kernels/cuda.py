@@ -25,11 +25,20 @@ import numpy as np
 from uzip_serve import format as fmt
 from uzip_serve.format import FrameError, FrameHeader
 
-TPB = 256  # threads per CUDA block (one per codec block); must match cuda_codec.cu
-ENC_STREAMS = 64  # sub-streams per GPU-encoded block; must match cuda_codec.cu
-INFO_BYTES = 512
-ENC_BLOCK_ELEMS = fmt.DEFAULT_BLOCK_ELEMS  # 65536 = ENC_STREAMS * 1024
-ENC_SUBSTREAM = ENC_BLOCK_ELEMS // ENC_STREAMS
+TPB = 512  # threads per CUDA block (one per codec block); must match cuda_codec.cu
+INFO_BYTES = 1024  # must match cuda_codec.cu
+ENC_BLOCK_ELEMS = fmt.DEFAULT_BLOCK_ELEMS  # 65536: max_compressed_size's bound holds for GPU frames
+ENC_SUBSTREAM = 512  # ENC_S in cuda_codec.cu: 128 sub-streams per block (docs/gpu.md says why)
+NSHIFT = 30  # must match cuda_codec.cu
+# CRC tables per CUDA block: CRC_SLICE tables of 256 entries x 32 lane copies (cuda_codec.cu)
+CRC_SLICE = int(os.environ.get("UZIP_CRC_SLICE", "1"))
+STG_BYTES = 32768  # crc_par's row staging (16 warps x 2 KB)
+SYM_BYTES = 128 * (512 + 16)  # uz_dec_fast's decoded symbols
+# dynamic shared memory per kernel (static shared memory comes on top): CRC tables first
+CRC_SMEM = CRC_SLICE * 256 * 32 * 4 + 4096 + STG_BYTES  # tables, the 32 KB-shift table, staging
+SMEM_STATS = CRC_SMEM + 128 * 32 * 4  # + per-lane histogram counters (two u16 per word)
+SMEM_WRITE = CRC_SMEM  # the per-warp sub-stream buffers share crc_par's staging
+SMEM_DEC = CRC_SMEM - STG_BYTES + SYM_BYTES  # the symbol buffer doubles as crc_par's staging
 NO_ERROR = (1 << 64) - 1
 
 _ERRORS = {
@@ -83,9 +92,15 @@ def _module(device_index: int):
     import cupy
 
     src = (Path(__file__).with_name("cuda_codec.cu")).read_text()
+    opts = ("-std=c++17", f"-DCRC_SLICE={CRC_SLICE}")
+    cubin = os.environ.get("UZIP_CUDA_CUBIN")  # a prebuilt cubin of this source (benchmark variants)
     with cupy.cuda.Device(device_index):
-        mod = cupy.RawModule(code=src, options=("-std=c++17",))
+        mod = cupy.RawModule(path=cubin) if cubin else cupy.RawModule(code=src, options=opts)
         mod.compile()
+        # the CRC shift tables (global memory), once per device; the only sync, at first use
+        n = max(NSHIFT * 1024, 32768)  # INIT_TABLE_THREADS
+        mod.get_function("uz_init_tables")(((n + 255) // 256,), (256,), ())
+        cupy.cuda.runtime.deviceSynchronize()
     return mod
 
 
@@ -118,24 +133,34 @@ def _u32(x: int):
 _FUNCS: dict = {}
 
 
-def _function(index: int, name: str):
-    """The kernel `name` on device `index`, looked up once per process (launch overhead)."""
+def _function(index: int, name: str, smem: int = 0):
+    """The kernel `name` on device `index`, looked up once per process (launch overhead),
+    allowed `smem` bytes of dynamic shared memory (over 48 KB needs the attribute)."""
     f = _FUNCS.get((index, name))
     if f is None:
-        f = _FUNCS[(index, name)] = _module(index).get_function(name)
+        import cupy
+
+        with cupy.cuda.Device(index):
+            f = _module(index).get_function(name)
+            if smem > 48 * 1024:
+                try:
+                    f.max_dynamic_shared_size_bytes = smem
+                except AttributeError:  # older CuPy: the driver call itself
+                    cupy.cuda.driver.funcSetAttribute(f.kernel.ptr, 8, smem)  # MAX_DYNAMIC_SHARED_SIZE_BYTES
+        _FUNCS[(index, name)] = f
     return f
 
 
-def _launch(tensor_device, name, grid, block, args, stream):
+def _launch(tensor_device, name, grid, block, args, stream, smem: int = 0):
     import cupy
 
     index = tensor_device.index or 0
-    f = _FUNCS.get((index, name)) or _function(index, name)
+    f = _FUNCS.get((index, name)) or _function(index, name, smem)
     if cupy.cuda.runtime.getDevice() == index:
-        f((grid,), (block,), args, stream=stream)
+        f((grid,), (block,), args, stream=stream, shared_mem=smem)
     else:
         with cupy.cuda.Device(index):
-            f((grid,), (block,), args, stream=stream)
+            f((grid,), (block,), args, stream=stream, shared_mem=smem)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -186,19 +211,19 @@ class CudaCodec:
             sp, ip = src.data_ptr(), info.data_ptr()
             op = ip + nblocks * INFO_BYTES
             _launch(dev, f"uz_enc_stats_{sfx}", nblocks, TPB,
-                    (_u64(sp), _u64(numel), _u32(ss), np.int32(cp), _u64(ip)), st)
+                    (_u64(sp), _u64(numel), _u32(ss), np.int32(cp), _u64(ip)), st, SMEM_STATS)
             _launch(dev, "uz_scan", 1, 1024,
                     (_u64(ip), _u32(INFO_BYTES), _u32(nblocks), _u64(op), _u64(total.data_ptr()),
                      _u64(payload_offset), _u64(0), np.int32(0), _u64(0), _u64(0)), st)
             _launch(dev, f"uz_enc_write_{sfx}", nblocks, TPB,
                     (_u64(sp), _u64(numel), _u32(ss), np.int32(cp), _u64(ip), _u64(op), _u64(out.data_ptr()),
-                     _u64(payload_offset), _u64(table_offset)), st)
+                     _u64(payload_offset), _u64(table_offset)), st, SMEM_WRITE)
         else:
             total.fill_(payload_offset)
         hw = _header_words(dt, shape, numel, be, ss)
         _launch(dev, "uz_enc_header", 1, TPB,
                 (_u64(out.data_ptr()), _u64(total.data_ptr()), _u32((table_offset + 7) // 8), _u64(payload_offset),
-                 *hw), st)
+                 *hw), st, CRC_SMEM)
         if nblocks and stream is not None:  # scratch freed here must outlive the other stream's work
             for t_ in (src, info):
                 t_.record_stream(stream)
@@ -259,8 +284,9 @@ class CudaCodec:
         common = (_u64(fp), _u64(header.payload_offset), _u64(payload_len), _u64(header.table_offset),
                   _u64(op), _u64(header.numel), _u32(header.block_elems),
                   _u32(header.substream_elems), _u64(out.data_ptr()), _u64(ep))
-        _launch(dev, f"uz_dec_fast_{sfx}", nb, TPB, common + (_u64(lp), _u64(cp_)), st)
-        _launch(dev, f"uz_dec_slow_{sfx}", slots, TPB, common + (_u64(lp), _u64(cp_), _u64(sp), _u64(slot_bytes)), st)
+        _launch(dev, f"uz_dec_fast_{sfx}", nb, TPB, common + (_u64(lp), _u64(cp_)), st, SMEM_DEC)
+        _launch(dev, f"uz_dec_slow_{sfx}", slots, TPB, common + (_u64(lp), _u64(cp_), _u64(sp), _u64(slot_bytes)), st,
+                CRC_SMEM)
         if stream is not None:
             for t_ in (frame, scratch, err):
                 t_.record_stream(stream)
@@ -304,3 +330,16 @@ def read_header_device(frame) -> FrameHeader:
     buf = np.zeros(n, dtype=np.uint8)
     buf[:end] = frame[:end].cpu().numpy()
     return fmt.parse_header(buf, get_backend("cpu").crc32c)
+
+
+def crc32c_segments(data, seg: int, *, stream=None):
+    """CRC32C of each `seg`-byte segment of the CUDA uint8 tensor `data` (the last may be
+    short), one CUDA block each: crc_par, for the tests and the benchmark."""
+    import torch
+
+    n = data.numel()
+    nseg = max(1, -(-n // seg))
+    out = torch.empty(nseg, dtype=torch.int32, device=data.device)
+    _launch(data.device, "uz_crc_segs", nseg, TPB, (_u64(data.data_ptr()), _u64(seg), _u64(n), _u64(out.data_ptr())),
+            _stream(stream), CRC_SMEM)
+    return out

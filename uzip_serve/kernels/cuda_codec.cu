@@ -4,20 +4,23 @@
  * the bytes the CPU reference in uzip_serve/kernels/cpu_codec.c does:
  *
  *   CPU reference                       GPU counterpart here
- *   crc32c / crc32c_combine             crc_bytes / crc_word / crc_block_combine
- *   split_planes / hist_of              plane_sym + uz_enc_stats (per-thread counters)
- *   build_lengths                       build_lengths_dev (same algorithm, rank sort)
- *   assign_codes                        canonical codes in uz_enc_write / build_lut_dev
- *   encode_stream                       BitWriter in uz_enc_write
+ *   crc32c / crc32c_combine             crc_par (table CRC per 32-byte slot + linear combine)
+ *   split_planes / hist_of              plane_sym + uz_enc_stats (per-lane counters)
+ *   build_lengths                       build_lengths_tail (same algorithm, rank sort)
+ *   assign_codes                        assign_codes_par / build_lut_dev
+ *   encode_stream                       warp-cooperative writer in uz_enc_write
  *   decode_plane / decode_stream_tail   HuffReader + uz_dec_fast / uz_dec_slow
  *   merge_planes                        merge16 (fast) / merge1 (slow)
  *   encode_block / decode_block         uz_enc_stats + uz_enc_write / uz_dec_fast + uz_dec_slow
  *
- * One codec block is handled by one CUDA block of TPB = 256 threads. Parallel stages (CRCs,
- * staging, RAW planes, histogram) use all of them on contiguous chunks, whose CRCs are
- * stitched with the GF(2) shift of crc32c_combine; Huffman sub-streams are serial, one
- * thread each (GPU frames: ENC_STREAMS = 64 sub-streams of 1024 symbols per block). Only portable CUDA C++ is used (no inline PTX); __funnelshift_r,
- * __brev, __popc and __shfl_xor_sync have direct HIP equivalents.
+ * One codec block is handled by one CUDA block of TPB = 512 threads (docs/gpu.md has the
+ * design and the measurements). CRCs: crc_par (coalesced rows, per-lane shared-memory
+ * tables, slots joined by CRC linearity); the Huffman encoder codes a sub-stream per warp
+ * (prefix sum of code lengths); the decoder decodes a sub-stream per thread into shared
+ * memory, then merges planes coalesced. GPU frames use 512-symbol sub-streams (128 per
+ * block). Portable CUDA C++: __funnelshift_r, __brev, __popc, __shfl_*_sync and
+ * __reduce_*_sync have HIP equivalents; the only inline PTX (%globaltimer) is in the
+ * UZ_PHASES timing build, never in the shipped kernels.
  *
  * GPU encoder choices (valid frames, may differ from the CPU's): only the "entropy plane"
  * (plane 0 for bf16/fp32, plane 1 = high byte for fp16) is Huffman/CONST coded, every other
@@ -31,14 +34,15 @@ typedef unsigned short u16;
 typedef unsigned int u32;
 typedef unsigned long long u64;
 
-#define TPB 256             /* threads per CUDA block (one CUDA block per codec block) */
-#define ENC_STREAMS 64      /* sub-streams per GPU-encoded block: block_elems = ENC_STREAMS * S */
+#define TPB 512             /* threads per CUDA block (one CUDA block per codec block) */
+#define ENC_BLOCK 65536     /* elements per GPU-encoded block (the default: max_compressed_size holds) */
+#define ENC_S 512           /* symbols per sub-stream in GPU-encoded frames */
+#define MAX_ENC_STREAMS (ENC_BLOCK / ENC_S)
+#define PER (ENC_S / 32)    /* symbols per lane when a warp codes one sub-stream */
+#define STG_WORDS ((ENC_S * 11 + 31) / 32 + 4) /* per-warp sub-stream buffer in uz_enc_write */
 #define MAX_CODE_LEN 11
 #define LUT_SIZE 2048
-#define STAGE_BYTES 28672   /* payload prefix uz_dec_fast keeps in shared memory (covers the HUFF plane) */
-#define CRC_REP 1           /* copies of each CRC table entry in shared memory (bank conflicts) */
-#define CRC_WORDS (4 * 256 * CRC_REP)
-#define INFO_BYTES 512      /* per-block record written by uz_enc_stats */
+#define INFO_BYTES 1024     /* per-block record written by uz_enc_stats */
 #define MAX_PLANES 16
 
 enum { LAYOUT_BYTES = 0, LAYOUT_BF16 = 1, LAYOUT_FP32 = 2 };
@@ -92,42 +96,82 @@ __device__ const u32 CRC_TAB[256] = {
 /* x^(2^n) mod P, as x2n_table in cpu_codec.c */
 __constant__ u32 X2N[32] = {0x40000000u, 0x20000000u, 0x08000000u, 0x00800000u, 0x00008000u, 0x82f63b78u, 0x6ea2d55cu, 0x18b8ea18u, 0x510ac59au, 0xb82be955u, 0xb8fdb1e7u, 0x88e56f72u, 0x74c360a4u, 0xe4172b16u, 0x0d65762au, 0x35d73a62u, 0x28461564u, 0xbf455269u, 0xe2ea32dcu, 0xfe7740e6u, 0xf946610bu, 0x3c204f8fu, 0x538586e3u, 0x59726915u, 0x734d5309u, 0xbc1ac763u, 0x7d0722ccu, 0xd289cabeu, 0xe94ca9bcu, 0x05b74f3fu, 0xa51e1f42u, 0x40000000u};
 
+/* Phase timing for tuning (built only with -DUZ_PHASES): clock64 of CUDA block 0, thread 0
+ * at the marks of uz_dec_fast (row 0), uz_enc_stats (1) and uz_enc_write (2); columns 14/15
+ * hold %globaltimer (ns) at the first and last mark, for the clock rate. Inline PTX, debug only. */
+#ifdef UZ_PHASES
+__device__ unsigned long long UZ_PH[3][16];
+__device__ __forceinline__ unsigned long long gtimer() {
+    unsigned long long v;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(v));
+    return v;
+}
+#define PH(k, i) do { if (blockIdx.x == 0 && threadIdx.x == 0) { UZ_PH[k][i] = clock64(); if ((i) == 0) UZ_PH[k][14] = gtimer(); else UZ_PH[k][15] = gtimer(); } } while (0)
+#else
+#define PH(k, i) do {} while (0)
+#endif
+
 __device__ __forceinline__ void report(u64 *err, u64 block, u32 code) {
     atomicMin(err, (block << 8) | code);
 }
 
 /* ---- CRC32C ---- */
-/* Shared-memory tables: 4 slicing tables (T0 = CRC_TAB, Tk[i] = (Tk-1[i] >> 8) ^
- * T0[Tk-1[i] & 0xFF], as crc_init_tables), each entry replicated CRC_REP times so lanes
- * spread over banks. Slicing-by-4 makes the 4 lookups of a word independent: the CRC's
- * serial chain is one lookup per 4 bytes instead of one per byte. */
-__device__ __forceinline__ void load_crc_table(u32 *s) {
-    /* T0 with coalesced loads, then T1..T3 one table per step from the previous one */
-    for (int i = threadIdx.x; i < 256; i += blockDim.x)
-        for (int r = 0; r < CRC_REP; r++) s[i * CRC_REP + r] = CRC_TAB[i];
-    for (int k = 1; k < 4; k++) {
-        __syncthreads();
-        for (int i = threadIdx.x; i < 256; i += blockDim.x) {
-            u32 v = s[((k - 1) * 256 + i) * CRC_REP];
-            v = (v >> 8) ^ s[(v & 0xFFu) * CRC_REP];
-            for (int r = 0; r < CRC_REP; r++) s[(k * 256 + i) * CRC_REP + r] = v;
-        }
+/* Table-driven CRC (crc32c of cpu_codec.c) with the tables in shared memory, replicated once
+ * per lane: entry i of table k for lane L is word ((k * 256 + i) * 32 + L), so the 32 lanes
+ * of a warp always read 32 different banks. With one shared copy, 32 data-dependent lookups
+ * hit ~3.5 times the same bank and every lookup costs 3-4 shared-memory wavefronts; CRC32C
+ * then ran at less than a third of the shared-memory rate. CRC_SLICE tables (slicing-by-1,
+ * -2 or -4; 32 KB each) trade shared memory for a shorter per-byte chain. */
+#ifndef CRC_SLICE
+#define CRC_SLICE 1
+#endif
+#define CRC_SMEM_WORDS (CRC_SLICE * 256 * 32 + 1024) /* + the 32 KB-shift table (crc_par) */
+#define CRC_SMEM_BYTES (CRC_SMEM_WORDS * 4)
+/* dynamic shared memory of every kernel: the CRC tables first (launcher: cuda.py SMEM_*) */
+extern __shared__ __align__(16) u32 dsm[];
+#define STG_BYTES 32768     /* crc_par's row staging: 16 warps x 2 KB, after the CRC tables */
+#define SYM_BYTES (128 * (512 + 16)) /* uz_dec_fast: decoded symbols, sub-stream j at j * (S + 16) */
+#define NSHIFT 30           /* shift tables: by 2^l bytes, l < NSHIFT */
+
+__device__ u32 SHIFT_TAB[NSHIFT * 1024]; /* see uz_init_tables */
+
+/* Fills the replicated tables: T0 = CRC_TAB, Tk[i] = (Tk-1[i] >> 8) ^ T0[Tk-1[i] & 0xFF]. */
+__device__ __forceinline__ void crc_init_smem(u32 *sm) {
+    for (u32 e = threadIdx.x; e < CRC_SLICE * 256; e += blockDim.x) {
+        u32 v = CRC_TAB[e & 255u];
+        for (u32 q = 0; q < (e >> 8); q++) v = (v >> 8) ^ CRC_TAB[v & 255u];
+        uint4 *d = (uint4 *)(sm + e * 32);
+        const uint4 vv = make_uint4(v, v, v, v);
+#pragma unroll
+        for (int r = 0; r < 8; r++) d[r] = vv;
     }
+    for (u32 e = threadIdx.x; e < 1024; e += blockDim.x) sm[CRC_SLICE * 256 * 32 + e] = SHIFT_TAB[15 * 1024 + e];
 }
-__device__ __forceinline__ u32 crc_byte(const u32 *tab, u32 c, u32 b, u32 rep) {
-    return (c >> 8) ^ tab[(((c ^ b) & 0xFFu) * CRC_REP) + rep];
+/* tab = smem tables + lane: this lane's copy */
+#define CRCT(tab, k, i) ((tab)[((k) * 256u + (i)) * 32u])
+__device__ __forceinline__ u32 crc_b(const u32 *tab, u32 c, u32 b) {
+    return (c >> 8) ^ CRCT(tab, 0, (c ^ b) & 0xFFu);
 }
-/* c is the raw (inverted) CRC state; feeds the 4 bytes of w, low byte first */
-__device__ __forceinline__ u32 crc_word(const u32 *tab, u32 c, u32 w, u32 rep) {
+/* c: raw register; feeds the 4 bytes of w, low byte first */
+__device__ __forceinline__ u32 crc_w(const u32 *tab, u32 c, u32 w) {
     c ^= w;
-    return tab[((3 * 256) + (c & 0xFFu)) * CRC_REP + rep] ^ tab[((2 * 256) + ((c >> 8) & 0xFFu)) * CRC_REP + rep] ^
-           tab[(256 + ((c >> 16) & 0xFFu)) * CRC_REP + rep] ^ tab[(c >> 24) * CRC_REP + rep];
+#if CRC_SLICE == 4
+    return CRCT(tab, 3, c & 0xFFu) ^ CRCT(tab, 2, (c >> 8) & 0xFFu) ^ CRCT(tab, 1, (c >> 16) & 0xFFu) ^
+           CRCT(tab, 0, c >> 24);
+#elif CRC_SLICE == 2
+    c = CRCT(tab, 1, c & 0xFFu) ^ CRCT(tab, 0, (c >> 8) & 0xFFu) ^ (c >> 16);
+    return CRCT(tab, 1, c & 0xFFu) ^ CRCT(tab, 0, (c >> 8) & 0xFFu) ^ (c >> 16);
+#else
+#pragma unroll
+    for (int k = 0; k < 4; k++) c = (c >> 8) ^ CRCT(tab, 0, c & 0xFFu);
+    return c;
+#endif
 }
-__device__ __forceinline__ u32 crc_uint4(const u32 *tab, u32 c, uint4 v, u32 rep) {
-    c = crc_word(tab, c, v.x, rep); c = crc_word(tab, c, v.y, rep);
-    c = crc_word(tab, c, v.z, rep); return crc_word(tab, c, v.w, rep);
+__device__ __forceinline__ u32 crc_q(const u32 *tab, u32 c, uint4 v) {
+    c = crc_w(tab, c, v.x); c = crc_w(tab, c, v.y);
+    c = crc_w(tab, c, v.z); return crc_w(tab, c, v.w);
 }
-/* multmodp of cpu_codec.c */
+/* multmodp of cpu_codec.c: a * b mod P, reflected (x^0 = bit 31) */
 __device__ u32 multmodp(u32 a, u32 b) {
     u32 p = 0;
     for (; a; a <<= 1) {
@@ -136,80 +180,207 @@ __device__ u32 multmodp(u32 a, u32 b) {
     }
     return p;
 }
-/* crc32c_combine of cpu_codec.c */
-__device__ u32 crc_combine(u32 a, u32 b, u64 len_b) {
-    if (!len_b) return a ^ b;
-    u32 p = 1u << 31;
-    for (int k = 3; len_b; len_b >>= 1, k++)
-        if (len_b & 1) p = multmodp(X2N[k & 31], p);
-    return multmodp(p, a) ^ b;
+/* SHIFT_TAB[l][k][v] = (v << 8k) * x^(8 * 2^l) mod P: multiplying a register by x^(8 * 2^l)
+ * (appending 2^l zero bytes) is linear, so it is 4 byte lookups instead of multmodp's
+ * 32-step loop. X8LO[i] = x^(8 i), X8HI[j] = x^(8 * 4096 j), POW32[j] = x^(8 * 32 j): one or
+ * two lookups and one multmodp append any number of zero bytes. All filled once per device
+ * by uz_init_tables, read through L2; crc_par fetches what it needs before its main loop. */
+#define X8LO_N 4096
+#define X8HI_N 16384
+#define POW32_N 32768
+__device__ u32 X8LO[X8LO_N], X8HI[X8HI_N], POW32[POW32_N];
+/* x^(8 n * 2^sh) by square-and-multiply over the bits of n (init only) */
+__device__ u32 xpow_slow(u64 n, u32 sh) {
+    u32 p = 0x80000000u; /* x^0 */
+    for (u32 k = 3 + sh; n; n >>= 1, k++)
+        if (n & 1) p = multmodp(X2N[k & 31], p);
+    return p;
 }
-/* One warp: lane 0 gets the CRC of the 32 lanes' chunks in lane order (binary tree). */
-__device__ __forceinline__ void crc_warp_combine(u32 &crc, u32 &l) {
-    const int lane = threadIdx.x & 31;
-    for (int d = 1; d < 32; d <<= 1) {
-        u32 oc = __shfl_down_sync(0xFFFFFFFFu, crc, d);
-        u32 ol = __shfl_down_sync(0xFFFFFFFFu, l, d);
-        if ((lane & (2 * d - 1)) == 0) {
-            crc = crc_combine(crc, oc, ol);
-            l += ol;
+extern "C" __global__ void uz_init_tables() {
+    const u32 e = blockIdx.x * blockDim.x + threadIdx.x;
+    if (e < NSHIFT * 1024) {
+        const u32 l = e >> 10, k = (e >> 8) & 3u, v = e & 255u;
+        SHIFT_TAB[e] = multmodp(X2N[(l + 3) & 31], v << (8 * k));
+    }
+    if (e < X8LO_N) X8LO[e] = xpow_slow(e, 0);
+    if (e < X8HI_N) X8HI[e] = xpow_slow(e, 12);
+    if (e < POW32_N) POW32[e] = xpow_slow(e, 5);
+}
+#define INIT_TABLE_THREADS (NSHIFT * 1024 > POW32_N ? NSHIFT * 1024 : POW32_N)
+__device__ __forceinline__ u32 crc_shift_pow2(u32 c, u32 l) {
+    const u32 *t = SHIFT_TAB + l * 1024u;
+    return __ldg(t + (c & 0xFFu)) ^ __ldg(t + 256 + ((c >> 8) & 0xFFu)) ^ __ldg(t + 512 + ((c >> 16) & 0xFFu)) ^
+           __ldg(t + 768 + (c >> 24));
+}
+/* x^(8 n) mod P; n < 2^26 by table, beyond by the bit loop (header CRCs of huge tensors) */
+__device__ __forceinline__ u32 xpow8(u64 n) {
+    if (n < X8LO_N) return __ldg(X8LO + n);
+    if ((n >> 12) < X8HI_N) return multmodp(__ldg(X8HI + (n >> 12)), __ldg(X8LO + (n & 4095)));
+    return xpow_slow(n, 0);
+}
+/* register c followed by n zero bytes (crc32c_combine's multiply) */
+__device__ __forceinline__ u32 crc_shift(u32 c, u64 n) { return n ? multmodp(xpow8(n), c) : c; }
+/* the same by 2^15 bytes, from the shared-memory copy of SHIFT_TAB[15] */
+__device__ __forceinline__ u32 crc_shift_32k(const u32 *t, u32 c) {
+    return t[c & 0xFFu] ^ t[256 + ((c >> 8) & 0xFFu)] ^ t[512 + ((c >> 16) & 0xFFu)] ^ t[768 + (c >> 24)];
+}
+
+/* Continues registers c[0..K) over K byte ranges of equal length len starting at q + k * stride
+ * (any alignment, all with the same alignment); the K chains are independent, interleaved
+ * so their table-lookup latencies overlap. Reads exactly the bytes of the ranges. */
+template <int K>
+__device__ __forceinline__ void crc_run(const u32 *tab, u32 *c, const u8 *q, u64 stride, u32 len) {
+    u32 o = 0;
+    for (; o < len && (((size_t)q + o) & 3); o++)
+#pragma unroll
+        for (int k = 0; k < K; k++) c[k] = crc_b(tab, c[k], q[k * stride + o]);
+    for (; o + 4 <= len && (((size_t)q + o) & 15); o += 4)
+#pragma unroll
+        for (int k = 0; k < K; k++) c[k] = crc_w(tab, c[k], *(const u32 *)(q + k * stride + o));
+    for (; o + 32 <= len; o += 32) {
+        uint4 v[K][2];
+#pragma unroll
+        for (int k = 0; k < K; k++) {
+            v[k][0] = *(const uint4 *)(q + k * stride + o);
+            v[k][1] = *(const uint4 *)(q + k * stride + o + 16);
+        }
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+#pragma unroll
+            for (int k = 0; k < K; k++) c[k] = crc_q(tab, c[k], v[k][h]);
+    }
+    for (; o + 4 <= len; o += 4)
+#pragma unroll
+        for (int k = 0; k < K; k++) c[k] = crc_w(tab, c[k], *(const u32 *)(q + k * stride + o));
+    for (; o < len; o++)
+#pragma unroll
+        for (int k = 0; k < K; k++) c[k] = crc_b(tab, c[k], q[k * stride + o]);
+}
+/* CRC32C (finished) of [p, p + n), by all TPB threads; returns it to every thread.
+ * The range is cut into a head (up to the first 16-byte boundary, one thread), a middle of
+ * whole 32-byte slots, and a tail (< 32 bytes, one thread). The middle is read in rows of
+ * 1 KB: a warp loads a row with coalesced 16-byte loads (lane L: pieces L and L + 32),
+ * passes each piece to f (the histogram of uz_enc_stats), and transposes the row through
+ * shared memory (XOR-swizzled: conflict-free both ways) so that lane u then holds slot u
+ * (32 contiguous bytes) and runs the table CRC over it. When every lane streamed its own
+ * contiguous chunk instead, each warp load touched 32 cache lines and crc_par ran at
+ * ~1.2 TB/s (4.6 bytes per clock per SM). A warp takes two rows per step (two independent
+ * chains per lane); chain c of warp w covers rows w + 16 c, w + 16 (c + 2), ...: 32 KB apart,
+ * so each slot register is folded in Horner-style with one x^(8 * 2^15) shift (4 lookups).
+ * At the end each chain is shifted to the end of the middle (crc_shift), all are XORed,
+ * and thread 0 joins head, middle and tail (CRC linearity, as crc32c_combine).
+ * red: TPB / 32 + 4 words; stg: 16 warps x 2 KB of shared memory (16-byte aligned). */
+struct NoPieceFn { __device__ __forceinline__ void operator()(const uint4 &, u64) const {} };
+template <class F>
+__device__ u32 crc_par(const u32 *tab, const u8 *p, u64 n, u32 *red, uint4 *stg, F f) {
+    static_assert(TPB == 512, "row schedule assumes 16 warps (32 KB between a chain's rows)");
+    const u32 t = threadIdx.x, lane = t & 31, warp = t >> 5;
+    const u8 *A = (const u8 *)min(((size_t)p + 15) & ~(size_t)15, (size_t)(p + n));
+    const u64 head = (u64)(A - p);
+    const u64 mid = (n - head) & ~(u64)31;
+    const u64 tail = n - head - mid;
+    const u64 Cm = mid / 32, R = (mid + 1023) / 1024;
+    uint4 *sw = stg + warp * 128;
+    const u32 *sh32k = tab - (threadIdx.x & 31) + CRC_SLICE * 256 * 32;
+    u32 acc[2] = {0u, 0u};
+    long long lastm[2] = {-1, -1};
+    /* each chain's final shift (to the end of the middle) is known up front: fetch its
+     * constant now, so the end costs one multmodp instead of a chain of L2 lookups */
+    u32 kfin[2] = {0u, 0u};
+    {
+        const u64 Rl = Cm > lane ? (Cm - lane + 31) / 32 : 0; /* rows in which this lane has a slot */
+#pragma unroll
+        for (int c = 0; c < 2; c++) {
+            const u64 r1 = warp + 16 * c;
+            if (Rl > r1) {
+                const u64 rl = r1 + 32 * ((Rl - 1 - r1) / 32);
+                const u64 d = Cm - 1 - (rl * 32 + lane);
+                kfin[c] = d < POW32_N ? __ldg(POW32 + d) : xpow8(32 * d);
+            }
         }
     }
-}
-/* Combines the finished CRCs of TPB contiguous chunks, thread order = byte order.
- * Returns the CRC of their concatenation to every thread. Uses 2*TPB words of smem.
- * Two tree levels (within warps, then across warps in warp 0): 8 combines deep. */
-__device__ u32 crc_block_combine(u32 crc, u32 len, u32 *sm) {
-    const int t = threadIdx.x, lane = t & 31, w = t >> 5;
-    u32 l = len;
-    crc_warp_combine(crc, l);
-    __syncthreads();
-    if (lane == 0) { sm[w] = crc; sm[TPB + w] = l; }
-    __syncthreads();
-    if (w == 0) {
-        u32 c2 = lane < TPB / 32 ? sm[lane] : 0u, l2 = lane < TPB / 32 ? sm[TPB + lane] : 0u;
-        crc_warp_combine(c2, l2);
-        if (lane == 0) sm[0] = c2;
+    u32 hshift = 0, ktail = 0;
+    if (t == 0) { /* head: from ~0, any alignment, < 16 bytes; moved to the end right away */
+        u32 c = 0xFFFFFFFFu;
+        for (u64 i = 0; i < head; i++) c = crc_b(tab, c, p[i]);
+        hshift = crc_shift(c, mid + tail);
+        ktail = xpow8(tail);
+    }
+    /* software-pipelined: the next step's rows are loaded before this step's chains run */
+    uint4 v[2][2];
+    auto load = [&](u64 r0) {
+#pragma unroll
+        for (int c = 0; c < 2; c++) {
+            const u64 r = r0 + 16 * c;
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const u64 off = r * 1024 + 16 * (lane + 32 * h);
+                if (r < R && off < mid) {
+                    v[c][h] = *(const uint4 *)(A + off);
+                    f(v[c][h], head + off);
+                }
+            }
+        }
+    };
+    if (warp < R) load(warp);
+    for (u64 r0 = warp; r0 < R; r0 += 32) {
+#pragma unroll
+        for (int c = 0; c < 2; c++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const u32 q = lane + 32 * h, u = q >> 1, hh = q & 1;
+                sw[c * 64 + u * 2 + (hh ^ ((u >> 2) & 1))] = v[c][h];
+            }
+        __syncwarp();
+        uint4 s[2][2];
+#pragma unroll
+        for (int c = 0; c < 2; c++)
+#pragma unroll
+            for (int hh = 0; hh < 2; hh++) s[c][hh] = sw[c * 64 + lane * 2 + (hh ^ ((lane >> 2) & 1))];
+        __syncwarp();
+        if (r0 + 32 < R) load(r0 + 32);
+        u32 cr[2] = {0u, 0u};
+#pragma unroll
+        for (int hh = 0; hh < 2; hh++)
+#pragma unroll
+            for (int c = 0; c < 2; c++) cr[c] = crc_q(tab, cr[c], s[c][hh]);
+#pragma unroll
+        for (int c = 0; c < 2; c++) {
+            const u64 m = (r0 + 16 * c) * 32 + lane;
+            if (m < Cm) {
+                acc[c] = (lastm[c] >= 0 ? crc_shift_32k(sh32k, acc[c]) : 0u) ^ cr[c];
+                lastm[c] = (long long)m;
+            }
+        }
+    }
+    u32 x = 0;
+#pragma unroll
+    for (int c = 0; c < 2; c++)
+        if (lastm[c] >= 0) x ^= multmodp(kfin[c], acc[c]);
+    x = __reduce_xor_sync(0xFFFFFFFFu, x);
+    if (lane == 0) red[warp] = x;
+    if (t == 32) { /* tail: 16-byte aligned, < 32 bytes */
+        u32 c = 0;
+        const u8 *q = A + mid;
+        u64 i = 0;
+        for (; i + 4 <= tail; i += 4) c = crc_w(tab, c, *(const u32 *)(q + i));
+        for (; i < tail; i++) c = crc_b(tab, c, q[i]);
+        red[TPB / 32 + 1] = c;
     }
     __syncthreads();
-    u32 r = sm[0];
+    if (t == 0) {
+        u32 m = 0;
+        for (int w = 0; w < TPB / 32; w++) m ^= red[w];
+        const u32 reg = hshift ^ multmodp(ktail, m) ^ red[TPB / 32 + 1];
+        red[TPB / 32 + 2] = n ? ~reg : 0u;
+    }
+    __syncthreads();
+    const u32 r = red[TPB / 32 + 2];
     __syncthreads();
     return r;
 }
-/* crc_block_combine for chunks owned out of order: this thread's chunk is number `pos` in
- * byte order. ord: 2*TPB words of smem. */
-__device__ u32 crc_block_combine_at(u32 crc, u32 len, u32 pos, u32 *ord, u32 *sm) {
-    ord[pos] = crc; ord[TPB + pos] = len;
-    __syncthreads();
-    return crc_block_combine(ord[threadIdx.x], ord[TPB + threadIdx.x], sm);
-}
-/* CRC (finished) of bytes [p, p+n) of global memory, any alignment, bounds-exact. */
-__device__ u32 crc_bytes(const u32 *tab, const u8 *p, u64 n, u32 rep) {
-    u32 c = 0xFFFFFFFFu;
-    while (n && ((size_t)p & 3)) { c = crc_byte(tab, c, *p++, rep); n--; }
-    const u32 *w = (const u32 *)p;
-    while (n >= 4 && ((size_t)w & 15)) { c = crc_word(tab, c, *w++, rep); n -= 4; }
-    for (; n >= 64; n -= 64, w += 16) { /* 4 loads in flight before the first use */
-        uint4 v[4];
-#pragma unroll
-        for (int k = 0; k < 4; k++) v[k] = ((const uint4 *)w)[k];
-#pragma unroll
-        for (int k = 0; k < 4; k++) c = crc_uint4(tab, c, v[k], rep);
-    }
-    for (; n >= 16; n -= 16, w += 4) c = crc_uint4(tab, c, *(const uint4 *)w, rep);
-    for (; n >= 4; n -= 4) c = crc_word(tab, c, *w++, rep);
-    p = (const u8 *)w;
-    while (n--) c = crc_byte(tab, c, *p++, rep);
-    return ~c;
-}
-/* CRC of [base, base+n) computed by all TPB threads in contiguous chunks. */
-__device__ u32 crc_parallel(const u32 *tab, const u8 *base, u64 n, u32 *sm) {
-    u64 chunk = ((n + TPB - 1) / TPB + 15) & ~(u64)15;
-    u64 a = (u64)threadIdx.x * chunk, b = a + chunk;
-    if (a > n) a = n;
-    if (b > n) b = n;
-    u32 c = crc_bytes(tab, base + a, b - a, threadIdx.x & (CRC_REP - 1));
-    return crc_block_combine(c, (u32)(b - a), sm);
+__device__ __forceinline__ u32 crc_par(const u32 *tab, const u8 *p, u64 n, u32 *red, uint4 *stg) {
+    return crc_par(tab, p, n, red, stg, NoPieceFn());
 }
 
 /* ---- unaligned little-endian access to global memory ---- */
@@ -305,24 +476,41 @@ template <int LAYOUT, int ISZ> __device__ __forceinline__ void merge1(const u32 
 struct HuffReader {
     u64 buf;          /* bit buffer, next bit at bit 0 */
     int nb;           /* valid bits in buf */
-    const u32 *wp, *wend; /* next aligned word to load / end (shared or global memory) */
+    const uint4 *qp, *qend; /* next aligned 16-byte word to load / end */
+    uint4 cur, nxt;   /* the 16-byte word being consumed and the next one, loaded one word ahead */
+    u32 wi;           /* next 4-byte word of cur */
+    /* A refill takes a word already in registers; the load of `nxt` is issued 4 refills
+     * (~12 symbols each) before it is needed, so the decode chain never waits for L2. With
+     * one word loaded at refill time, lanes refilled at different symbols and the warp
+     * stalled on some lane's load at nearly every lookup. */
     u32 used, bad;    /* bits consumed; nonzero once a lookup hit "no code" */
     u64 pend;         /* decoded symbols not handed out yet (at most one, low byte first) */
     u32 npend;
+    __device__ __forceinline__ uint4 ldq() {
+        const uint4 v = qp < qend ? *qp : make_uint4(0u, 0u, 0u, 0u);
+        qp++;
+        return v;
+    }
+    __device__ __forceinline__ u32 word() {
+        const u32 w = wi == 0 ? cur.x : (wi == 1 ? cur.y : (wi == 2 ? cur.z : cur.w));
+        if (++wi == 4) { cur = nxt; nxt = ldq(); wi = 0; }
+        return w;
+    }
     __device__ __forceinline__ void init(const u8 *p, u32 nbytes) {
-        size_t a = (size_t)p;
-        wp = (const u32 *)(a & ~(size_t)3);
-        wend = (const u32 *)((a + nbytes + 3) & ~(size_t)3);
-        buf = 0; nb = 0; used = 0; bad = 0; pend = 0; npend = 0;
-        refill(); refill();
-        u32 sk = (u32)(a & 3) * 8;
-        buf >>= sk; nb -= sk;
+        const size_t a = (size_t)p;
+        qp = (const uint4 *)(a & ~(size_t)15);
+        qend = (const uint4 *)((a + nbytes + 15) & ~(size_t)15);
+        used = 0; bad = 0; pend = 0; npend = 0;
+        cur = ldq(); nxt = ldq();
+        wi = (u32)(a & 15) / 4;
+        const u32 sk = (u32)(a & 3) * 8;
+        const u32 w0 = word(), w1 = word();
+        buf = ((u64)w0 | ((u64)w1 << 32)) >> sk;
+        nb = 64 - (int)sk;
     }
     __device__ __forceinline__ void refill() {
-        u32 w = wp < wend ? *wp : 0u;
-        buf |= (u64)w << nb;
+        buf |= (u64)word() << nb;
         nb += 32;
-        wp++;
     }
     /* one symbol (single-code fields of the entry) */
     __device__ __forceinline__ u32 dec(const u32 *lut) {
@@ -380,20 +568,31 @@ struct HuffPlane {
 };
 
 /* Builds the 2^11-entry pair LUT in smem from the nibble-coded lengths; all TPB threads.
- * Returns false (to all threads) if the lengths over-subscribe the code space.
- * scratch: >= 256 + 3*12 words of smem. */
-__device__ bool build_lut_dev(const HuffPlane &h, u32 *lut, u32 *scratch) {
+ * Returns 0, E_HUFF_LEN (a length over 11) or E_HUFF_KRAFT (over-subscribed), to all threads.
+ * Everything is parallel: one thread per symbol reads its length once (a serial loop of
+ * dependent global loads on thread 0 cost ~20 us per block), counts go through shared
+ * atomics, and a symbol's place in the canonical order is a count over the smaller symbols.
+ * scratch: >= LUT_SCRATCH words of smem. */
+#define LUT_SCRATCH (36 + 256 + 4 + 64)
+__device__ u32 build_lut_dev(const HuffPlane &h, u32 *lut, u32 *scratch) {
     u32 *cnt = scratch, *first = scratch + 12, *offs = scratch + 24, *sorted = scratch + 36, *okp = scratch + 36 + 256;
-    if (threadIdx.x == 0) {
-        u32 len[256];
-        for (int l = 0; l < 12; l++) cnt[l] = 0;
-        for (u32 s = h.lo; s <= h.hi; s++) {
-            u32 l = (h.lens[(s - h.lo) / 2] >> (((s - h.lo) & 1) * 4)) & 0xFu;
-            len[s - h.lo] = l;
-            cnt[l]++;
+    u8 *slen = (u8 *)(scratch + 36 + 256 + 4);
+    const u32 t = threadIdx.x, span = h.hi - h.lo + 1;
+    if (t < 12) cnt[t] = 0;
+    if (t == 0) *okp = 0;
+    __syncthreads();
+    if (t < 256) {
+        u32 l = 0;
+        if (t < span) {
+            l = (h.lens[t / 2] >> ((t & 1) * 4)) & 0xFu;
+            if (l > MAX_CODE_LEN) { atomicOr(okp, 1u); l = 0; }
+            else if (l) atomicAdd(&cnt[l], 1u);
         }
+        slen[t] = (u8)l;
+    }
+    __syncthreads();
+    if (t == 0) {
         u32 c = 0, kraft = 0, o = 0;
-        cnt[0] = 0;
         for (int l = 1; l <= MAX_CODE_LEN; l++) {
             c = (c + cnt[l - 1]) << 1;
             first[l] = c;
@@ -401,17 +600,18 @@ __device__ bool build_lut_dev(const HuffPlane &h, u32 *lut, u32 *scratch) {
             o += cnt[l];
             kraft += cnt[l] << (MAX_CODE_LEN - l);
         }
-        *okp = kraft <= LUT_SIZE;
-        u32 fill[12];
-        for (int l = 0; l < 12; l++) fill[l] = offs[l];
-        for (u32 s = h.lo; s <= h.hi; s++) {
-            u32 l = len[s - h.lo];
-            if (l) sorted[fill[l]++] = s;
-        }
+        if (kraft > LUT_SIZE) *okp |= 2u;
     }
     __syncthreads();
-    bool ok = *okp;
-    if (ok) {
+    const u32 bad = *okp;
+    if (!bad && t < span && slen[t]) {
+        const u32 l = slen[t];
+        u32 r = 0;
+        for (u32 q = 0; q < t; q++) r += slen[q] == l; /* same q on every lane: broadcast reads */
+        sorted[offs[l] + r] = h.lo + t;
+    }
+    __syncthreads();
+    if (!bad) {
         /* pass 1: single-code entries */
         for (u32 j = threadIdx.x; j < LUT_SIZE; j += TPB) {
             u32 r = __brev(j) >> 21, e = (1u << 16) | (1u << 20) | (1u << 31);
@@ -444,7 +644,7 @@ __device__ bool build_lut_dev(const HuffPlane &h, u32 *lut, u32 *scratch) {
         for (int q = 0; q < LUT_SIZE / TPB; q++) lut[threadIdx.x + q * TPB] = v[q];
     }
     __syncthreads();
-    return ok;
+    return (bad & 1u) ? (u32)E_HUFF_LEN : (bad ? (u32)E_HUFF_KRAFT : 0u);
 }
 
 /* Parses one plane at *p (bounded by end) with count symbols: decode_plane's header checks.
@@ -473,10 +673,6 @@ __device__ u32 parse_plane(const u8 *&p, const u8 *end, u32 count, u32 substream
     if (h.hi > 255) return E_HUFF_RANGE;
     u32 nib = (h.hi - h.lo + 2) / 2;
     if ((u64)(end - p) < nib) return E_HUFF_TABLE;
-    for (u32 s = h.lo; s <= h.hi; s++) {
-        u32 l = (p[(s - h.lo) / 2] >> (((s - h.lo) & 1) * 4)) & 0xFu;
-        if (l > MAX_CODE_LEN) return E_HUFF_LEN;
-    }
     if (((h.hi - h.lo) & 1) == 0 && (p[nib - 1] >> 4)) return E_HUFF_PAD;
     h.lens = p;
     p += nib;
@@ -550,128 +746,147 @@ __device__ void build_lengths_tail(const u64 *key, int n, u32 *w, u16 *parent, u
 
 /* Info record (INFO_BYTES per block), words: 0 payload bytes, 1 crc_original, 2 block mode,
  * 3 entropy-plane mode, 4 lo, 5 hi, 6 const value, 7 sub-stream data bytes, 8 k, 9 nibble bytes;
- * bytes 64..319 code lengths, 320..447 u16 inclusive sub-stream ends. */
+ * bytes 64..319 code lengths, 320.. u16 inclusive sub-stream ends (k <= MAX_ENC_STREAMS). */
 
-/* Pass 1 (encode_block's analysis): CRC of the original block, the entropy plane's histogram
- * (per-sub-stream u16 counters, so each sub-stream's exact bit count follows once the code
- * lengths are known), the length-limited code, and the block's payload size. One CUDA block
- * of TPB threads per codec block; block_elems = ENC_STREAMS * S. Thread t reads the
- * contiguous quarter q = t / ENC_STREAMS of sub-stream t % ENC_STREAMS, so the 32 lanes of a
- * warp count into 32 different counter words (no atomic conflicts inside a warp): the
- * counter word cnt[s][sub % 32] holds sub-stream sub < 32 in its low half and sub + 32 in
- * its high half (at most S = 1024 counts each).
- *   src    the tensor's bytes (16-byte aligned)           numel  elements
- *   S      sub-stream elements (block_elems = 64 * S)      cp     entropy plane, -1: RAW blocks
+/* Pass 1 (encode_block's analysis), one CUDA block of TPB threads per codec block:
+ *   1. histogram of the entropy plane: per-lane counter columns cnt[sym][lane], so the lanes
+ *      of a warp never collide (shared atomics only between warps);
+ *   2. CRC of the original block (crc_par);
+ *   3. the length-limited code (rank sort in parallel, build_lengths_tail on one thread);
+ *   4. each sub-stream's byte count: one warp per sub-stream sums the code lengths of its
+ *      symbols (re-reading the block, which is in L1/L2 by now); the writer needs these
+ *      offsets, and the block's payload size must count each sub-stream's padding.
+ *   src    the tensor's bytes (16-byte aligned)   numel  elements
+ *   S      sub-stream elements (ENC_S)             cp     entropy plane, -1: RAW blocks
  *   info   out: INFO_BYTES per block (see above)                                              */
 template <int LAYOUT, int ISZ>
 __device__ void enc_stats(const u8 *__restrict__ src, u64 numel, u32 S, int cp, u8 *__restrict__ info) {
     constexpr int P = Lay<LAYOUT, ISZ>::P;
-    constexpr u32 Q = TPB / ENC_STREAMS; /* threads per sub-stream */
-    __shared__ __align__(16) u32 sm_crc[CRC_WORDS];
-    __shared__ u32 cnt[256 * 32];
+    u32 *const crc_sm = dsm;                                   /* CRC_SMEM_WORDS */
+    uint4 *const stg = (uint4 *)(dsm + CRC_SMEM_WORDS);        /* STG_BYTES */
+    u32 *const cnt = dsm + CRC_SMEM_WORDS + STG_BYTES / 4;     /* 128 x 32: two u16 counters per word */
     __shared__ u32 hist[256];
     __shared__ u8 len[256];
-    __shared__ u32 red[2 * TPB];
-    __shared__ u32 ends_s[ENC_STREAMS];
-    __shared__ u64 keys[256];       /* also the (crc, length) reorder buffer: 2 * TPB words */
+    __shared__ u32 red[TPB / 32 + 4];
+    __shared__ u32 sbytes[MAX_ENC_STREAMS];
+    __shared__ u64 keys[256];
     __shared__ u32 wt[512];
     __shared__ u16 parent[512];
     __shared__ u8 depth[512];
     __shared__ u32 misc[4];
-    const u32 b = blockIdx.x, t = threadIdx.x;
-    const u32 sub = t % ENC_STREAMS, q = t / ENC_STREAMS;
-    const u64 first = (u64)b * ENC_STREAMS * S;
-    const u32 n = (u32)min((u64)ENC_STREAMS * S, numel - first);
+    const u32 b = blockIdx.x, t = threadIdx.x, lane = t & 31, warp = t >> 5;
+    const u64 first = (u64)b * ENC_BLOCK;
+    const u32 n = (u32)min((u64)ENC_BLOCK, numel - first);
     const u8 *bsrc = src + first * ISZ;
-    load_crc_table(sm_crc);
-    if (cp >= 0)
-        for (int i = t; i < 256 * 32; i += TPB) cnt[i] = 0;
+    const u32 nbytes = n * ISZ;
+    PH(1, 0);
+    crc_init_smem(crc_sm);
+    const bool coded = cp >= 0 && ISZ <= 4;
+    if (coded)
+        for (u32 i = t; i < 128 * 32; i += TPB) cnt[i] = 0;
     __syncthreads();
-    const u32 qs = S / Q;
-    const u32 a = min(sub * S + q * qs, n), e = min(a + qs, n);
-    const u32 cinc = sub < 32 ? 1u : 0x10000u, ccol = sub & 31;
-    u32 c = 0xFFFFFFFFu;
-    u32 i = a;
-    /* two 16-element groups per iteration: all their loads issue before the first use */
-    for (; i + 32 <= e; i += 32) {
-        u32 wds[2][4 * ISZ];
-        const uint4 *qp = (const uint4 *)(bsrc + (size_t)i * ISZ);
+    /* the histogram rides on crc_par's coalesced loads: lane-private counter words (no
+     * collisions inside a warp), two symbols' u16 counters per word (a lane column counts
+     * at most 65536 / 32 elements) */
+    auto hist_fn = [&](const uint4 &x, u64) {
+        if (!coded) return;
+        const u32 w[4] = {x.x, x.y, x.z, x.w};
 #pragma unroll
-        for (int g = 0; g < 2; g++)
-#pragma unroll
-            for (int k = 0; k < ISZ; k++) {
-                uint4 v = qp[g * ISZ + k];
-                wds[g][4 * k] = v.x; wds[g][4 * k + 1] = v.y; wds[g][4 * k + 2] = v.z; wds[g][4 * k + 3] = v.w;
-            }
-#pragma unroll
-        for (int g = 0; g < 2; g++) {
-#pragma unroll
-            for (int k = 0; k < 4 * ISZ; k++) c = crc_word(sm_crc, c, wds[g][k], 0);
-            if (ISZ <= 4 && cp >= 0) {
-#pragma unroll
-                for (int el = 0; el < 16; el++)
-                    atomicAdd(&cnt[plane_sym<LAYOUT, ISZ>(elem_of<ISZ>(wds[g], el), cp) * 32 + ccol], cinc);
-            }
+        for (int el = 0; el < 16 / ISZ; el++) {
+            const u32 sy = plane_sym<LAYOUT, ISZ>(elem_of<ISZ>(w, el), cp);
+            atomicAdd(&cnt[(sy >> 1) * 32 + lane], 1u << (16 * (sy & 1)));
         }
-    }
-    for (; i < e; i++) {
-        for (int k = 0; k < ISZ; k++) c = crc_byte(sm_crc, c, bsrc[(size_t)i * ISZ + k], 0);
-        if (ISZ <= 4 && cp >= 0) atomicAdd(&cnt[plane_byte<LAYOUT, ISZ>(bsrc, i, cp) * 32 + ccol], cinc);
-    }
-    u32 crc_orig = crc_block_combine_at(~c, (e - a) * ISZ, sub * Q + q, (u32 *)keys, red);
+    };
+    const u32 crc_orig = crc_par(crc_sm + lane, bsrc, nbytes, red, stg, hist_fn);
+    PH(1, 1);
+    if (coded) /* elements of the tail crc_par does not hand to hist_fn (< 32 bytes) */
+        for (u32 e = (nbytes & ~31u) / ISZ + t; e < n; e += TPB) {
+            const u32 sy = plane_byte<LAYOUT, ISZ>(bsrc, e, cp);
+            atomicAdd(&cnt[(sy >> 1) * 32 + lane], 1u << (16 * (sy & 1)));
+        }
+    __syncthreads();
     u32 *inf = (u32 *)(info + (size_t)b * INFO_BYTES);
-    if (cp < 0) {
-        if (t == 0) { inf[0] = 1 + n * ISZ; inf[1] = crc_orig; inf[2] = BLOCK_RAW; }
+    if (!coded) {
+        if (t == 0) { inf[0] = 1 + nbytes; inf[1] = crc_orig; inf[2] = BLOCK_RAW; }
         return;
     }
-    for (int s = t; s < 256; s += TPB) {
+    for (u32 s = t; s < 256; s += TPB) {
         u32 h = 0;
-        for (int k = 0; k < 32; k++) {
-            u32 v = cnt[s * 32 + ((k + s) & 31)]; /* rotated: lanes hit different banks */
-            h += (v & 0xFFFFu) + (v >> 16);
-        }
+        for (int k = 0; k < 32; k++) h += (cnt[(s >> 1) * 32 + ((k + s) & 31)] >> (16 * (s & 1))) & 0xFFFFu;
         hist[s] = h;
     }
     __syncthreads();
-    for (int s = t; s < 256; s += TPB) {
+    for (u32 s = t; s < 256; s += TPB) {
         len[s] = 0;
         if (hist[s]) {
-            u64 k = ((u64)hist[s] << 8) | (u64)s;
+            const u64 k = ((u64)hist[s] << 8) | (u64)s;
             u32 r = 0;
             for (int s2 = 0; s2 < 256; s2++) r += hist[s2] && ((((u64)hist[s2] << 8) | (u64)s2) < k);
             keys[r] = k;
         }
     }
-    if (t == 0) {
-        u32 used = 0, lo = 255, hi = 0;
-        for (int s = 0; s < 256; s++)
-            if (hist[s]) { used++; if ((u32)s < lo) lo = s; hi = s; }
-        misc[0] = used; misc[1] = lo; misc[2] = hi;
-    }
+    if (t == 0) { misc[1] = 255; misc[2] = 0; }
     __syncthreads();
-    const u32 used = misc[0], lo = misc[1], hi = misc[2];
+    if (t < 256 && hist[t]) { atomicMin(&misc[1], t); atomicMax(&misc[2], t); }
+    const u32 used = __syncthreads_count(t < 256 && hist[t] != 0);
+    const u32 lo = misc[1], hi = misc[2];
+    PH(1, 2);
     if (used >= 2 && t == 0) build_lengths_tail(keys, (int)used, wt, parent, depth, len);
     __syncthreads();
-    if (t < ENC_STREAMS) {
-        u32 bits = 0;
-        if (used >= 2)
-            for (u32 s = lo; s <= hi; s++) bits += ((cnt[s * 32 + (t & 31)] >> (t < 32 ? 0 : 16)) & 0xFFFFu) * len[s];
-        ends_s[t] = (bits + 7) / 8;
+    PH(1, 3);
+    const u32 k = (n + S - 1) / S;
+    if (used >= 2) {
+        /* sub-stream j: elements [j*S, min((j+1)*S, n)); S * ISZ is a multiple of 16 */
+        for (u32 j = warp; j < k; j += TPB / 32) {
+            const u32 e0 = j * S, e1 = min(e0 + S, n);
+            const u32 v0 = e0 * ISZ / 16, v1 = e1 * ISZ / 16;
+            u32 bits = 0;
+            for (u32 i = v0 + lane; i < v1; i += 32) {
+                const uint4 x = ((const uint4 *)bsrc)[i];
+                const u32 w[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+                for (int el = 0; el < 16 / ISZ; el++) bits += len[plane_sym<LAYOUT, ISZ>(elem_of<ISZ>(w, el), cp)];
+            }
+            for (u32 e = v1 * 16 / ISZ + lane; e < e1; e += 32) bits += len[plane_byte<LAYOUT, ISZ>(bsrc, e, cp)];
+            bits = __reduce_add_sync(0xFFFFFFFFu, bits);
+            if (lane == 0) sbytes[j] = (bits + 7) / 8;
+        }
+    }
+    __syncthreads();
+    PH(1, 4);
+    if (warp == 0 && used >= 2) { /* inclusive scan of the k <= 128 sub-stream sizes: 4 per lane */
+        u32 v[MAX_ENC_STREAMS / 32], sum = 0;
+#pragma unroll
+        for (int q = 0; q < MAX_ENC_STREAMS / 32; q++) {
+            const u32 j = lane * (MAX_ENC_STREAMS / 32) + q;
+            sum += j < k ? sbytes[j] : 0u;
+            v[q] = sum;
+        }
+        u32 incl = sum;
+#pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {
+            const u32 o = __shfl_up_sync(0xFFFFFFFFu, incl, d);
+            if (lane >= (u32)d) incl += o;
+        }
+#pragma unroll
+        for (int q = 0; q < MAX_ENC_STREAMS / 32; q++) {
+            const u32 j = lane * (MAX_ENC_STREAMS / 32) + q;
+            if (j < k) sbytes[j] = v[q] + incl - sum;
+        }
     }
     __syncthreads();
     if (t == 0) {
-        for (int k = 1; k < ENC_STREAMS; k++) ends_s[k] += ends_s[k - 1];
-        const u32 k = (n + S - 1) / S;
+        const u32 total = used >= 2 ? sbytes[k - 1] : 0u;
         const u32 nib = (hi - lo + 2) / 2;
-        u32 cmode, psize, total = ends_s[ENC_STREAMS - 1];
+        u32 cmode, psize;
         if (used == 1) { cmode = PLANE_CONST; psize = 2; }
         else {
             psize = 3 + nib + 2 * k + total;
             cmode = PLANE_HUFF;
             if (total > 0xFFFFu || psize >= 1 + n) { cmode = PLANE_RAW; psize = 1 + n; }
         }
-        u32 dense = 1 + (P - 1) * (1 + n) + psize;
-        u32 raw = 1 + n * ISZ;
+        const u32 dense = 1 + (P - 1) * (1 + n) + psize;
+        const u32 raw = 1 + nbytes;
         inf[0] = dense < raw ? dense : raw;
         inf[1] = crc_orig;
         inf[2] = dense < raw ? BLOCK_DENSE : BLOCK_RAW;
@@ -679,9 +894,12 @@ __device__ void enc_stats(const u8 *__restrict__ src, u64 numel, u32 S, int cp, 
     }
     __syncthreads();
     u8 *ilen = info + (size_t)b * INFO_BYTES + 64;
-    for (int s = t; s < 256; s += TPB) ilen[s] = len[s];
-    if (t < ENC_STREAMS) ((u16 *)(info + (size_t)b * INFO_BYTES + 320))[t] = (u16)ends_s[t];
+    for (u32 s = t; s < 256; s += TPB) ilen[s] = len[s];
+    u16 *iends = (u16 *)(info + (size_t)b * INFO_BYTES + 320);
+    for (u32 j = t; j < k && used >= 2; j += TPB) iends[j] = (u16)sbytes[j];
+    PH(1, 5);
 }
+
 
 /* Exclusive scan of u32 sizes; one CUDA block of 1024 threads. The decoder's first kernel,
  * so it also initializes the decoder's error word and queue count (saves two launches).
@@ -781,46 +999,44 @@ template <int LAYOUT, int ISZ> __device__ void coop_plane(u8 *dst, const u8 *bsr
         }
     }
 }
-
-/* encode_stream: LSB-first bit writer to any alignment; whole aligned words are stored as
- * words, the partial first and last words byte by byte (they are shared with neighbours). */
-struct BitWriter {
-    u64 acc;
-    int nb;
-    u8 *qa;
-    u32 head;
-    bool first;
-    __device__ __forceinline__ void init(u8 *q) {
-        head = (u32)((size_t)q & 3);
-        qa = q - head;
-        acc = 0;
-        nb = 8 * head;
-        first = true;
+/* Canonical codes (assign_codes of cpu_codec.c): (length, symbol) order, stored bit-reversed
+ * (LSB-first streams), packed as code | len << 16. All threads, no serial loop over symbols:
+ * symbol s's code is the first code of its length plus the number of smaller symbols of
+ * that length. cl: 256 words; sc: 12 + 12 + 64 words of smem. */
+__device__ void assign_codes_par(const u8 *ilen, u32 *cl, u32 *sc) {
+    u32 *cntl = sc, *first = sc + 12;
+    u8 *sl = (u8 *)(sc + 24);
+    const u32 t = threadIdx.x;
+    if (t < 12) cntl[t] = 0;
+    __syncthreads();
+    if (t < 256) {
+        const u32 l = ilen[t];
+        sl[t] = (u8)l;
+        if (l) atomicAdd(&cntl[l], 1u);
     }
-    __device__ __forceinline__ void put(u32 code, u32 l) {
-        acc |= (u64)code << nb;
-        nb += l;
-        if (nb >= 32) {
-            u32 w = (u32)acc;
-            if (first && head) {
-                for (u32 i = head; i < 4; i++) qa[i] = (u8)(w >> (8 * i));
-            } else {
-                *(u32 *)qa = w;
-            }
-            first = false;
-            qa += 4;
-            acc >>= 32;
-            nb -= 32;
-        }
+    __syncthreads();
+    if (t == 0) {
+        u32 cc = 0;
+        for (int l = 1; l <= MAX_CODE_LEN; l++) { cc = (cc + cntl[l - 1]) << 1; first[l] = cc; }
     }
-    __device__ __forceinline__ void finish() {
-        u32 nbytes = (nb + 7) / 8, w = (u32)acc;
-        for (u32 i = first ? head : 0; i < nbytes; i++) qa[i] = (u8)(w >> (8 * i));
+    __syncthreads();
+    if (t < 256) {
+        const u32 l = sl[t];
+        u32 r = 0;
+        for (u32 s = 0; s < t; s++) r += sl[s] == l; /* same s for all lanes: a broadcast read */
+        cl[t] = l ? ((__brev(first[l] + r) >> (32 - l)) | (l << 16)) : 0u;
     }
-};
+    __syncthreads();
+}
 
 /* Pass 2 (encode_block's output): writes each block's payload at its final offset and its
- * block-table entry (payload bytes, crc_original, crc_payload).
+ * block-table entry (payload bytes, crc_original, crc_payload). One CUDA block per codec block:
+ *   - RAW planes by all threads (coalesced, 16 output bytes per thread and step);
+ *   - Huffman sub-streams one warp each: every lane codes S/32 consecutive symbols, a warp
+ *     scan of their bit counts gives each lane its bit offset, lanes OR their bits into a
+ *     per-warp shared buffer, and the warp copies the finished sub-stream to its byte offset
+ *     (from uz_enc_stats). No per-symbol serial chain: a sub-stream costs a few dozen steps.
+ *   - payload CRC (crc_par, reading the payload back from L2).
  *   src, numel, S, cp    as uz_enc_stats          info     uz_enc_stats' records
  *   offsets              uz_scan's exclusive prefix of payload sizes
  *   out                  the frame buffer; payloads start at payload_offset, the table at table_offset */
@@ -828,18 +1044,20 @@ template <int LAYOUT, int ISZ>
 __device__ void enc_write(const u8 *__restrict__ src, u64 numel, u32 S, int cp, const u8 *__restrict__ info,
                           const u64 *__restrict__ offsets, u8 *out, u64 payload_offset, u64 table_offset) {
     constexpr int P = Lay<LAYOUT, ISZ>::P;
-    __shared__ __align__(16) u32 sm_crc[CRC_WORDS];
-    __shared__ u32 code[256];
-    __shared__ u32 len[256];
-    __shared__ u32 red[2 * TPB];
-    const u32 b = blockIdx.x, t = threadIdx.x;
-    const u64 first = (u64)b * ENC_STREAMS * S;
-    const u32 n = (u32)min((u64)ENC_STREAMS * S, numel - first);
-    const u8 *bsrc = src + first * ISZ;
+    u32 *const crc_sm = dsm;                                  /* CRC_SMEM_WORDS */
+    u32 *const stg_all = dsm + CRC_SMEM_WORDS;                /* TPB / 32 warps x STG_WORDS, then crc_par's */
+    __shared__ u32 cl[256];
+    __shared__ u32 csc[12 + 12 + 64];
+    __shared__ u32 red[TPB / 32 + 4];
+    const u32 b = blockIdx.x, t = threadIdx.x, lane = t & 31, warp = t >> 5;
+    const u64 first_el = (u64)b * ENC_BLOCK;
+    const u32 n = (u32)min((u64)ENC_BLOCK, numel - first_el);
+    const u8 *bsrc = src + first_el * ISZ;
     const u32 *inf = (const u32 *)(info + (size_t)b * INFO_BYTES);
     const u32 size = inf[0], crc_orig = inf[1], mode = inf[2];
     u8 *dst = out + payload_offset + offsets[b];
-    load_crc_table(sm_crc);
+    PH(2, 0);
+    crc_init_smem(crc_sm);
     if (mode == BLOCK_RAW) {
         if (t == 0) dst[0] = BLOCK_RAW;
         coop_copy_to_unaligned(dst + 1, bsrc, n * ISZ);
@@ -853,73 +1071,100 @@ __device__ void enc_write(const u8 *__restrict__ src, u64 numel, u32 S, int cp, 
                 p += 2;
             } else if (j == cp && cmode == PLANE_HUFF) {
                 const u8 *ilen = info + (size_t)b * INFO_BYTES + 64;
-                for (int s = t; s < 256; s += TPB) len[s] = ilen[s];
-                __syncthreads();
-                if (t == 0) {
-                    /* assign_codes: canonical, (length, symbol) order, stored bit-reversed */
-                    u32 cntl[MAX_CODE_LEN + 2], next[MAX_CODE_LEN + 2];
-                    for (int l = 0; l <= MAX_CODE_LEN; l++) cntl[l] = 0;
-                    for (int s = 0; s < 256; s++) cntl[len[s]]++;
-                    cntl[0] = 0;
-                    u32 cc = 0;
-                    for (int l = 1; l <= MAX_CODE_LEN; l++) { cc = (cc + cntl[l - 1]) << 1; next[l] = cc; }
-                    for (int s = 0; s < 256; s++)
-                        if (len[s]) code[s] = __brev(next[len[s]]++) >> (32 - len[s]);
-                    p[0] = PLANE_HUFF; p[1] = (u8)lo; p[2] = (u8)(hi - lo);
-                    for (u32 s = lo, q = 3; s <= hi; s += 2, q++)
-                        p[q] = (u8)(len[s] | ((s + 1 <= hi ? len[s + 1] : 0) << 4));
+                assign_codes_par(ilen, cl, csc);
+                if (t == 0) { p[0] = PLANE_HUFF; p[1] = (u8)lo; p[2] = (u8)(hi - lo); }
+                for (u32 q = t; q < nib; q += TPB) {
+                    const u32 s = lo + 2 * q;
+                    p[3 + q] = (u8)(ilen[s] | ((s + 1 <= hi ? ilen[s + 1] : 0) << 4));
                 }
-                __syncthreads();
+                PH(2, 1);
                 const u16 *iends = (const u16 *)(info + (size_t)b * INFO_BYTES + 320);
                 u8 *ends = p + 3 + nib, *data = ends + 2 * k;
-                if (t < k) {
-                    u32 endt = iends[t], start = t ? iends[t - 1] : 0;
-                    ends[2 * t] = (u8)endt; ends[2 * t + 1] = (u8)(endt >> 8);
-                    BitWriter bw;
-                    bw.init(data + start);
-                    u32 a = t * S, e = min(a + S, n), i = a;
-                    if (ISZ <= 4) {
-                        /* 4 groups of 16 elements per step: their loads all issue first */
-                        for (; i + 64 <= e; i += 64) {
-                            u32 wds[4][4 * ISZ];
-                            const uint4 *q = (const uint4 *)(bsrc + (size_t)i * ISZ);
+                for (u32 q = t; q < k; q += TPB) { const u32 e = iends[q]; ends[2 * q] = (u8)e; ends[2 * q + 1] = (u8)(e >> 8); }
+                u32 *stg = stg_all + warp * STG_WORDS;
+                for (u32 j = warp; j < k; j += TPB / 32) {
+                    const u32 start = j ? iends[j - 1] : 0u, nb = iends[j] - start;
+                    for (u32 w = lane; w < STG_WORDS; w += 32) stg[w] = 0;
+                    /* this lane's symbols: elements [a, a + cntv), loaded as 16-byte words */
+                    const u32 a = j * ENC_S + lane * PER;
+                    const u32 cntv = a < n ? min(PER, n - a) : 0u;
+                    u32 sy[PER];
+                    if (cntv == PER && ISZ <= 4) {
+                        u32 wds[PER * ISZ / 4];
 #pragma unroll
-                            for (int g = 0; g < 4; g++)
+                        for (u32 q = 0; q < PER * ISZ / 16; q++) {
+                            const uint4 x = ((const uint4 *)(bsrc + (size_t)a * ISZ))[q];
+                            wds[4 * q] = x.x; wds[4 * q + 1] = x.y; wds[4 * q + 2] = x.z; wds[4 * q + 3] = x.w;
+                        }
 #pragma unroll
-                                for (int kk = 0; kk < ISZ; kk++) {
-                                    uint4 v = q[g * ISZ + kk];
-                                    wds[g][4 * kk] = v.x; wds[g][4 * kk + 1] = v.y;
-                                    wds[g][4 * kk + 2] = v.z; wds[g][4 * kk + 3] = v.w;
-                                }
+                        for (u32 i = 0; i < PER; i++)
+                            sy[i] = plane_sym<LAYOUT, ISZ>(elem_of<ISZ>(wds + (i / 16) * (4 * ISZ), i % 16), cp);
+                    } else {
 #pragma unroll
-                            for (int g = 0; g < 4; g++)
+                        for (u32 i = 0; i < PER; i++) sy[i] = i < cntv ? plane_byte<LAYOUT, ISZ>(bsrc, a + i, cp) : 0u;
+                    }
+                    u32 mybits = 0;
 #pragma unroll
-                                for (int el = 0; el < 16; el++) {
-                                    u32 s = plane_sym<LAYOUT, ISZ>(elem_of<ISZ>(wds[g], el), cp);
-                                    bw.put(code[s], len[s]);
-                                }
+                    for (u32 i = 0; i < PER; i++) {
+                        sy[i] = i < cntv ? cl[sy[i]] : 0u; /* code | len << 16; 0 past the end */
+                        mybits += sy[i] >> 16;
+                    }
+                    u32 incl = mybits;
+#pragma unroll
+                    for (int d = 1; d < 32; d <<= 1) {
+                        const u32 o = __shfl_up_sync(0xFFFFFFFFu, incl, d);
+                        if (lane >= (u32)d) incl += o;
+                    }
+                    const u32 pos = incl - mybits;
+                    __syncwarp();
+                    u32 wi = pos >> 5;
+                    u64 acc = 0;
+                    u32 nbits = pos & 31;
+#pragma unroll
+                    for (u32 i = 0; i < PER; i++) {
+                        acc |= (u64)(sy[i] & 0xFFFFu) << nbits;
+                        nbits += sy[i] >> 16;
+                        if (nbits >= 32) {
+                            atomicOr(&stg[wi++], (u32)acc);
+                            acc >>= 32;
+                            nbits -= 32;
                         }
                     }
-                    for (; i < e; i++) {
-                        u32 s = plane_byte<LAYOUT, ISZ>(bsrc, i, cp);
-                        bw.put(code[s], len[s]);
+                    if (nbits) atomicOr(&stg[wi], (u32)acc);
+                    __syncwarp();
+                    /* copy nb bytes to data + start (any alignment): whole aligned words where
+                     * the sub-stream covers them, bytes at its ends (shared with neighbours) */
+                    u8 *d = data + start;
+                    const u32 mis = (u32)((size_t)d & 3);
+                    u8 *pa = d - mis;
+                    const u32 W = (mis + nb + 3) / 4;
+                    for (u32 w = lane; w < W; w += 32) {
+                        const int i0 = 4 * (int)w - (int)mis;
+                        if (i0 >= 0 && i0 + 4 <= (int)nb) {
+                            const u32 qq = (u32)i0 >> 2, sh = (u32)i0 & 3;
+                            *(u32 *)(pa + 4 * w) = sh ? __funnelshift_r(stg[qq], stg[qq + 1], 8 * sh) : stg[qq];
+                        } else {
+                            for (int kb = 0; kb < 4; kb++) {
+                                const int i = i0 + kb;
+                                if (i >= 0 && i < (int)nb) pa[4 * w + kb] = (u8)(stg[i >> 2] >> (8 * (i & 3)));
+                            }
+                        }
                     }
-                    bw.finish();
+                    __syncwarp();
                 }
+                PH(2, 2);
                 p = data + total;
             } else {
                 if (t == 0) p[0] = PLANE_RAW;
-                /* with a HUFF plane, its ENC_STREAMS bit writers are busy: the other warps
-                 * write the RAW planes meanwhile */
-                const bool hw = cp >= 0 && cmode == PLANE_HUFF;
-                if (!hw || t >= ENC_STREAMS)
-                    coop_plane<LAYOUT, ISZ>(p + 1, bsrc, n, j, hw ? t - ENC_STREAMS : t, hw ? TPB - ENC_STREAMS : TPB);
+                coop_plane<LAYOUT, ISZ>(p + 1, bsrc, n, j, t, TPB);
                 p += 1 + n;
             }
         }
     }
     __syncthreads();
-    u32 crc_pay = crc_parallel(sm_crc, dst, size, red);
+    PH(2, 3);
+    const u32 crc_pay = crc_par(crc_sm + lane, dst, size, red, (uint4 *)stg_all);
+    PH(2, 4);
     if (t == 0) {
         u32 *te = (u32 *)(out + table_offset + 12ull * b);
         te[0] = size; te[1] = crc_orig; te[2] = crc_pay;
@@ -928,21 +1173,22 @@ __device__ void enc_write(const u8 *__restrict__ src, u64 numel, u32 S, int cp, 
 
 /* Writes the 40-byte header and dims (h[0..12], prepared by the host with frame_nbytes 0),
  * patches frame_nbytes from *total, then the header CRC at payload_offset - 4. One CUDA block. */
-extern "C" __global__ void uz_enc_header(u8 *out, const u64 *__restrict__ total, u32 hwords, u64 payload_offset,
-                                         u64 h0, u64 h1, u64 h2, u64 h3, u64 h4, u64 h5, u64 h6, u64 h7, u64 h8,
-                                         u64 h9, u64 h10, u64 h11, u64 h12) {
-    __shared__ __align__(16) u32 sm_crc[CRC_WORDS];
-    __shared__ u32 red[2 * TPB];
-    load_crc_table(sm_crc);
+extern "C" __global__ void __launch_bounds__(TPB) uz_enc_header(u8 *out, const u64 *__restrict__ total, u32 hwords,
+                                                                u64 payload_offset, u64 h0, u64 h1, u64 h2, u64 h3,
+                                                                u64 h4, u64 h5, u64 h6, u64 h7, u64 h8, u64 h9,
+                                                                u64 h10, u64 h11, u64 h12) {
+    __shared__ u32 red[TPB / 32 + 4];
+    crc_init_smem(dsm);
     if (threadIdx.x == 0) {
         u64 h[13] = {h0, h1, h2, h3, h4, h5, h6, h7, h8, h9, h10, h11, h12};
         h[2] = *total; /* frame_nbytes at byte 16 */
         for (u32 i = 0; i < hwords; i++) ((u64 *)out)[i] = h[i];
     }
     __syncthreads();
-    u32 c = crc_parallel(sm_crc, out, payload_offset - 4, red);
+    const u32 c = crc_par(dsm + (threadIdx.x & 31), out, payload_offset - 4, red, (uint4 *)(dsm + CRC_SMEM_WORDS));
     if (threadIdx.x == 0) *(u32 *)(out + payload_offset - 4) = c;
 }
+
 
 /* ======================= decoder ======================= */
 
@@ -967,40 +1213,6 @@ __device__ __forceinline__ BlockCtx block_ctx(const u8 *frame, u64 payload_offse
     return c;
 }
 
-/* Payload CRC of one block by all TPB threads, reading it once in 16-byte words (4 in flight
- * per thread); the first STAGE_BYTES of those words (from the payload's 16-byte-aligned
- * start `base`) are kept in `stage`, so parse and Huffman decode can read shared memory.
- * Words are read whole: they hold at least one payload byte, so stay inside the allocation. */
-__device__ u32 crc_stage(const u32 *tab, const u8 *blk, u32 size, u32 *stage, u32 *red) {
-    const size_t base = (size_t)blk & ~(size_t)15;
-    const u32 head = (u32)((size_t)blk - base), end = head + size;
-    const u32 nw = size ? (end + 15) / 16 : 0;
-    const u32 per = (nw + TPB - 1) / TPB;
-    const u32 w0 = min(threadIdx.x * per, nw), w1 = min(w0 + per, nw);
-    const uint4 *g = (const uint4 *)base;
-    u32 c = 0xFFFFFFFFu;
-    for (u32 w = w0; w < w1; w += 4) {
-        uint4 v[4];
-#pragma unroll
-        for (int k = 0; k < 4; k++)
-            if (w + k < w1) v[k] = g[w + k];
-#pragma unroll
-        for (int k = 0; k < 4; k++) {
-            const u32 wk = w + k;
-            if (wk >= w1) break;
-            if (wk < STAGE_BYTES / 16) ((uint4 *)stage)[wk] = v[k];
-            const u32 lo = wk * 16;
-            if (lo >= head && lo + 16 <= end) {
-                c = crc_uint4(tab, c, v[k], 0);
-            } else {
-                const u32 x[4] = {v[k].x, v[k].y, v[k].z, v[k].w};
-                for (u32 j = lo < head ? head - lo : 0; j < 16 && lo + j < end; j++) c = crc_byte(tab, c, bytew(x, j), 0);
-            }
-        }
-    }
-    const u32 a = min(max(w0 * 16, head), end), e = min(max(w1 * 16, head), end);
-    return crc_block_combine(~c, e - a, red);
-}
 
 /* decode_block for RAW blocks and DENSE blocks with at most one HUFF plane; other blocks go
  * to clist for uz_dec_slow. One CUDA block (TPB threads) per codec block:
@@ -1023,11 +1235,9 @@ __device__ void dec_fast(const u8 *__restrict__ frame, u64 payload_offset, u64 p
                          const u64 *__restrict__ offsets, u64 numel, u32 block_elems, u32 S, u8 *out,
                          u64 *err, u32 *clist, u32 *ccount) {
     constexpr int P = Lay<LAYOUT, ISZ>::P;
-    __shared__ __align__(16) u32 sm_crc[CRC_WORDS];
     __shared__ u32 lut[LUT_SIZE];
-    __shared__ __align__(16) u32 stage[STAGE_BYTES / 4];
-    __shared__ u32 scratch[36 + 256 + 4];
-    __shared__ u32 red[2 * TPB];
+    __shared__ u32 scratch[LUT_SCRATCH];
+    __shared__ u32 red[TPB / 32 + 4];
     __shared__ u32 pm[MAX_PLANES], pc[MAX_PLANES];
     __shared__ const u8 *pr[MAX_PLANES];
     __shared__ HuffPlane hp;
@@ -1035,9 +1245,13 @@ __device__ void dec_fast(const u8 *__restrict__ frame, u64 payload_offset, u64 p
     __shared__ u32 status;
     const u32 b = blockIdx.x, t = threadIdx.x;
     BlockCtx bc = block_ctx(frame, payload_offset, payload_len, table_offset, offsets, numel, block_elems, b);
-    load_crc_table(sm_crc);
+    PH(0, 0);
+    crc_init_smem(dsm);
     __syncthreads();
-    u32 crc = crc_stage(sm_crc, bc.blk, bc.size, stage, red);
+    PH(0, 1);
+    u8 *const sym = (u8 *)(dsm + CRC_SMEM_WORDS); /* SYM_BYTES; crc_par's staging while no symbols live */
+    const u32 crc = crc_par(dsm + (t & 31), bc.blk, bc.size, red, (uint4 *)sym);
+    PH(0, 2);
     if (t == 0) {
         u32 st = 0, code = 0;
         hidx = -1;
@@ -1063,6 +1277,7 @@ __device__ void dec_fast(const u8 *__restrict__ frame, u64 payload_offset, u64 p
                     }
                 }
                 if (!code && p != end) code = E_TRAILING;
+                if (!code && hidx >= 0 && hp.k * (S + 16) > SYM_BYTES) st = 2; /* odd sub-stream sizes */
             } else if (mode == BLOCK_SPARSE) {
                 st = 2;
             } else {
@@ -1075,81 +1290,69 @@ __device__ void dec_fast(const u8 *__restrict__ frame, u64 payload_offset, u64 p
     }
     __syncthreads();
     const u32 st = status;
+    PH(0, 3);
     if (st == 1 || st == 2) return;
     u8 *bout = out + bc.first * ISZ;
     if (st == 3) {
-        /* RAW block: contiguous 16-byte-multiple chunks per thread */
+        /* RAW block: 16-byte groups, consecutive threads on consecutive groups (coalesced) */
         const u32 N = bc.n * ISZ;
-        const u32 chunk = ((N + TPB - 1) / TPB + 15) & ~15u;
-        const u32 a = min(t * chunk, N), e = min(a + chunk, N);
-        const u8 *s = bc.blk + 1;
-        u32 i = a;
-        for (; i + 16 <= e; i += 16) {
+        const u8 *sp = bc.blk + 1;
+        for (u32 g = t; g < N / 16; g += TPB) {
             u32 w[4];
-            load16u(s + i, w);
-            *(uint4 *)(bout + i) = make_uint4(w[0], w[1], w[2], w[3]);
+            load16u(sp + 16 * g, w);
+            *(uint4 *)(bout + 16 * g) = make_uint4(w[0], w[1], w[2], w[3]);
         }
-        for (; i < e; i++) bout[i] = s[i];
+        for (u32 i = (N & ~15u) + t; i < N; i += TPB) bout[i] = sp[i];
     } else {
         const int h = hidx;
-        bool ok = true;
-        if (h >= 0) ok = build_lut_dev(hp, lut, scratch);
-        if (!ok) {
-            if (t == 0) report(err, b, E_HUFF_KRAFT);
+        const u32 lcode = h >= 0 ? build_lut_dev(hp, lut, scratch) : 0u;
+        if (lcode) {
+            if (t == 0) report(err, b, lcode);
             return;
         }
-        u32 j0, j1, seg;
-        const u8 *ends = 0, *data = 0;
-        if (h >= 0) {
-            const u32 per = (hp.k + TPB - 1) / TPB;
-            j0 = min(t * per, hp.k); j1 = min(j0 + per, hp.k); seg = S;
-            /* read ends and sub-streams from the staged copy when all their words are there */
-            const size_t base = (size_t)bc.blk & ~(size_t)15;
-            ends = hp.ends; data = hp.data;
-            if ((size_t)hp.data + hp.total + 4 <= base + STAGE_BYTES) {
-                ends = (const u8 *)stage + ((size_t)hp.ends - base);
-                data = (const u8 *)stage + ((size_t)hp.data - base);
-            }
-        } else {
-            seg = ((bc.n + TPB - 1) / TPB + 15) & ~15u;
-            const u32 ns = (bc.n + seg - 1) / seg;
-            j0 = min(t, ns); j1 = min(t + 1, ns);
-        }
+        PH(0, 4);
+        /* 1. thread j decodes sub-stream j into shared memory (16-symbol stores; the
+         *    16-byte pad per sub-stream keeps a quarter-warp's stores on distinct banks) */
+        const u32 stride = S + 16;
         u32 bad = 0;
-        for (u32 j = j0; j < j1; j++) {
-            const u32 ss = j * seg, se = min(ss + seg, bc.n);
-            HuffReader rd;
-            u32 start = 0, stop = 0;
-            if (h >= 0) {
-                start = j ? ld_u16(ends + 2 * (j - 1)) : 0;
-                stop = ld_u16(ends + 2 * j);
+        if (h >= 0) {
+            for (u32 j = t; j < hp.k; j += TPB) {
+                const u32 cnt = min(S, bc.n - j * S);
+                const u32 start = j ? ld_u16(hp.ends + 2 * (j - 1)) : 0, stop = ld_u16(hp.ends + 2 * j);
                 if (stop < start || stop > hp.total) { bad = E_ENDS_BACK; break; }
-                rd.init(data + start, stop - start);
+                HuffReader rd;
+                rd.init(hp.data + start, stop - start);
+                u8 *ds = sym + (size_t)j * stride;
+                u32 i = 0;
+                for (; i + 16 <= cnt; i += 16) {
+                    u32 w[4];
+                    if (i + 16 < cnt) rd.dec16(lut, w);
+                    else rd.dec16_single(lut, w);
+                    *(uint4 *)(ds + i) = make_uint4(w[0], w[1], w[2], w[3]);
+                }
+                for (; i < cnt; i++) ds[i] = (u8)rd.dec1(lut);
+                if (!rd.ok(stop - start)) { bad = E_STREAM; break; }
             }
-            u32 i = ss;
-            /* RAW-plane words are loaded one group ahead, so their latency overlaps the
-             * decode of the current group instead of stalling after it */
-            u32 nxt[P][4];
-#pragma unroll
-            for (int q = 0; q < P; q++)
-                if (q != h && pm[q] == PLANE_RAW && i + 16 <= se) load16u(pr[q] + i, nxt[q]);
-            for (; i + 16 <= se; i += 16) {
+        }
+        if (bad) report(err, b, bad);
+        __syncthreads();
+        PH(0, 5);
+        /* 2. merge: 16 elements per thread and step, consecutive threads on consecutive
+         *    elements: coalesced RAW-plane loads and output stores */
+        const u32 G = (bc.n + 15) / 16;
+        for (u32 g = t; g < G; g += TPB) {
+            const u32 i = 16 * g;
+            if (i + 16 <= bc.n) {
                 u32 pw[P][4];
 #pragma unroll
                 for (int q = 0; q < P; q++) {
-                    if (q != h && pm[q] == PLANE_RAW) {
-#pragma unroll
-                        for (int k = 0; k < 4; k++) pw[q][k] = nxt[q][k];
-                        if (i + 32 <= se) load16u(pr[q] + i + 16, nxt[q]);
-                    }
-                }
-#pragma unroll
-                for (int q = 0; q < P; q++) {
                     if (q == h) {
-                        if (i + 16 < se) rd.dec16(lut, pw[q]);
-                        else rd.dec16_single(lut, pw[q]);
-                    } else if (pm[q] != PLANE_RAW) {
-                        u32 v = pc[q] * 0x01010101u;
+                        const uint4 v = *(const uint4 *)(sym + (size_t)(i / S) * stride + (i % S));
+                        pw[q][0] = v.x; pw[q][1] = v.y; pw[q][2] = v.z; pw[q][3] = v.w;
+                    } else if (pm[q] == PLANE_RAW) {
+                        load16u(pr[q] + i, pw[q]);
+                    } else {
+                        const u32 v = pc[q] * 0x01010101u;
                         pw[q][0] = pw[q][1] = pw[q][2] = pw[q][3] = v;
                     }
                 }
@@ -1158,21 +1361,22 @@ __device__ void dec_fast(const u8 *__restrict__ frame, u64 payload_offset, u64 p
                 uint4 *dst = (uint4 *)(bout + (size_t)i * ISZ);
 #pragma unroll
                 for (int q = 0; q < ISZ; q++) dst[q] = make_uint4(o[4 * q], o[4 * q + 1], o[4 * q + 2], o[4 * q + 3]);
+            } else {
+                for (u32 e = i; e < bc.n; e++) {
+                    u32 pb[P];
+                    for (int q = 0; q < P; q++)
+                        pb[q] = q == h ? sym[(size_t)(e / S) * stride + (e % S)] : (pm[q] == PLANE_RAW ? pr[q][e] : pc[q]);
+                    u8 ob[ISZ];
+                    merge1<LAYOUT, ISZ>(pb, ob);
+                    for (int q = 0; q < ISZ; q++) bout[(size_t)e * ISZ + q] = ob[q];
+                }
             }
-            for (; i < se; i++) {
-                u32 pb[P];
-                for (int q = 0; q < P; q++)
-                    pb[q] = q == h ? rd.dec1(lut) : (pm[q] == PLANE_RAW ? pr[q][i] : pc[q]);
-                u8 ob[ISZ];
-                merge1<LAYOUT, ISZ>(pb, ob);
-                for (int q = 0; q < ISZ; q++) bout[(size_t)i * ISZ + q] = ob[q];
-            }
-            if (h >= 0 && !rd.ok(stop - start)) { bad = E_STREAM; break; }
         }
-        if (bad) report(err, b, bad);
     }
     __syncthreads(); /* the decoded block is visible to the whole CUDA block */
-    u32 crc_out = crc_parallel(sm_crc, bout, (u64)bc.n * ISZ, red);
+    PH(0, 6);
+    const u32 crc_out = crc_par(dsm + (t & 31), bout, (u64)bc.n * ISZ, red, (uint4 *)sym);
+    PH(0, 7);
     if (t == 0 && crc_out != bc.crc_o) report(err, b, E_ORIG_CRC);
 }
 
@@ -1185,10 +1389,9 @@ __device__ void dec_slow(const u8 *__restrict__ frame, u64 payload_offset, u64 p
                          const u64 *__restrict__ offsets, u64 numel, u32 block_elems, u32 S, u8 *__restrict__ out,
                          u64 *err, const u32 *clist, const u32 *ccount, u8 *scratch, u64 slot_bytes) {
     constexpr int P = Lay<LAYOUT, ISZ>::P;
-    __shared__ __align__(16) u32 sm_crc[CRC_WORDS];
     __shared__ u32 lut[LUT_SIZE];
-    __shared__ u32 scr[36 + 256 + 4];
-    __shared__ u32 red[2 * TPB];
+    __shared__ u32 scr[LUT_SCRATCH];
+    __shared__ u32 red[TPB / 32 + 4];
     __shared__ u32 pm[MAX_PLANES + 1], pc[MAX_PLANES + 1];
     __shared__ const u8 *pr[MAX_PLANES + 1];
     __shared__ HuffPlane hps[MAX_PLANES + 1];
@@ -1197,7 +1400,7 @@ __device__ void dec_slow(const u8 *__restrict__ frame, u64 payload_offset, u64 p
     const u32 t = threadIdx.x;
     const u32 count = *ccount;
     if (blockIdx.x >= count) return; /* nothing queued for this CUDA block: the common case */
-    load_crc_table(sm_crc);
+    crc_init_smem(dsm);
     __syncthreads();
     u8 *slot = scratch + slot_bytes * blockIdx.x;
     for (u32 idx = blockIdx.x; idx < count; idx += gridDim.x) {
@@ -1231,7 +1434,7 @@ __device__ void dec_slow(const u8 *__restrict__ frame, u64 payload_offset, u64 p
         for (int j = 0; j < np; j++) {
             if (pm[j] != PLANE_HUFF) continue;
             const HuffPlane &h = hps[j];
-            if (!build_lut_dev(h, lut, scr)) { bad = E_HUFF_KRAFT; break; }
+            if ((bad = build_lut_dev(h, lut, scr)) != 0) break;
             u8 *buf = slot + (size_t)j * block_elems;
             const u32 per = (h.k + TPB - 1) / TPB;
             const u32 j0 = min(t * per, h.k), j1 = min(j0 + per, h.k);
@@ -1265,8 +1468,6 @@ __device__ void dec_slow(const u8 *__restrict__ frame, u64 payload_offset, u64 p
         __syncthreads();
         u32 cidx = pre[t];
         const u32 ea = min(ma * 8, n), ee = min(me * 8, n);
-        u32 c = 0xFFFFFFFFu;
-        const u32 rep = t & (CRC_REP - 1);
         u8 *bout = out + bc.first * ISZ;
         for (u32 i = ea; i < ee && !bad; i++) {
             bool nz = !sparse || ((PBYTE(P, i >> 3) >> (i & 7)) & 1);
@@ -1277,14 +1478,12 @@ __device__ void dec_slow(const u8 *__restrict__ frame, u64 payload_offset, u64 p
             if (nz && sparse) cidx++;
             u8 ob[ISZ];
             merge1<LAYOUT, ISZ>(pb, ob);
-            for (int q = 0; q < ISZ; q++) {
-                bout[(size_t)i * ISZ + q] = ob[q];
-                c = crc_byte(sm_crc, c, ob[q], rep);
-            }
+            for (int q = 0; q < ISZ; q++) bout[(size_t)i * ISZ + q] = ob[q];
         }
 #undef PBYTE
         if (bad) report(err, b, bad);
-        u32 crc_out = crc_block_combine(~c, (ee - ea) * ISZ, red);
+        __syncthreads();
+        const u32 crc_out = crc_par(dsm + (t & 31), bout, (u64)n * ISZ, red, (uint4 *)(dsm + CRC_SMEM_WORDS));
         if (t == 0 && crc_out != bc.crc_o) report(err, b, E_ORIG_CRC);
         __syncthreads();
     }
@@ -1292,17 +1491,17 @@ __device__ void dec_slow(const u8 *__restrict__ frame, u64 payload_offset, u64 p
 
 /* ---- extern "C" entry points, one set per (layout, itemsize) ---- */
 #define UZ_INSTANTIATE(NAME, LAYOUT, ISZ)                                                                        \
-    extern "C" __global__ void __launch_bounds__(TPB) uz_enc_stats_##NAME(const u8 *src, u64 numel, u32 S, int cp, \
+    extern "C" __global__ void __launch_bounds__(TPB, 2) uz_enc_stats_##NAME(const u8 *src, u64 numel, u32 S, int cp, \
                                                                           u8 *info) {                            \
         enc_stats<LAYOUT, ISZ>(src, numel, S, cp, info);                                                         \
     }                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(TPB) uz_enc_write_##NAME(const u8 *src, u64 numel, u32 S, int cp, \
+    extern "C" __global__ void __launch_bounds__(TPB, 2) uz_enc_write_##NAME(const u8 *src, u64 numel, u32 S, int cp, \
                                                                           const u8 *info, const u64 *offsets,      \
                                                                           u8 *out, u64 payload_offset,             \
                                                                           u64 table_offset) {                      \
         enc_write<LAYOUT, ISZ>(src, numel, S, cp, info, offsets, out, payload_offset, table_offset);            \
     }                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(TPB)                                                            \
+    extern "C" __global__ void __launch_bounds__(TPB, 2)                                                         \
         uz_dec_fast_##NAME(const u8 *frame, u64 payload_offset, u64 payload_len, u64 table_offset,               \
                            const u64 *offsets, u64 numel, u32 block_elems, u32 S, u8 *out, u64 *err, u32 *clist,  \
                            u32 *ccount) {                                                                        \
@@ -1324,3 +1523,14 @@ UZ_INSTANTIATE(b2, LAYOUT_BYTES, 2)
 UZ_INSTANTIATE(b4, LAYOUT_BYTES, 4)
 UZ_INSTANTIATE(b8, LAYOUT_BYTES, 8)
 UZ_INSTANTIATE(b16, LAYOUT_BYTES, 16)
+
+/* CRC32C of nseg segments [p + i * seg, + min(seg, n - i * seg)), one CUDA block each: the
+ * tests check crc_par against the CPU at every alignment and length, the benchmark times it. */
+extern "C" __global__ void __launch_bounds__(TPB) uz_crc_segs(const u8 *p, u64 seg, u64 n, u32 *out) {
+    __shared__ u32 red[TPB / 32 + 4];
+    crc_init_smem(dsm);
+    __syncthreads();
+    const u64 a = (u64)blockIdx.x * seg;
+    const u32 c = crc_par(dsm + (threadIdx.x & 31), p + a, min(seg, n - a), red, (uint4 *)(dsm + CRC_SMEM_WORDS));
+    if (threadIdx.x == 0) out[blockIdx.x] = c;
+}
