@@ -8,6 +8,10 @@ GB/s count ORIGINAL bytes. Every uzip frame is checked bit-exact on the GPU, and
 64 MiB) on the CPU decoder too. Writes codec_gpu.json / codec_gpu.png to --out.
 
     python -m benchmarks.codec_gpu --data .gpudata/real.safetensors --out docs/benchmarks
+
+Up to 64 MiB it also replays the capture-safe calls from CUDA graphs (GPU time without
+Python: graph_c/d/cd_ms). --crc-micro times crc_par alone; --profile prints per-kernel times
+(torch profiler) and, for a build with -DUZ_PHASES (UZIP_CUDA_CUBIN), block 0's phase marks.
 """
 
 from __future__ import annotations
