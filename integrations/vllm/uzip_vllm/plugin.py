@@ -73,10 +73,9 @@ def engine_kwargs(*, coordinator: str | None = None, token_file: str | None = No
     ns = argparse.Namespace(comm_plugin="uzip", uzip_coordinator=coordinator, uzip_token_file=token_file,
                             uzip_receiver_id=receiver_id, uzip_p2p_host=p2p_host, uzip_allreduce=allreduce)
     cfg = config_from_args(ns)
-    kwargs: dict[str, Any] = {"additional_config": {CONFIG_KEY: cfg}}
+    kwargs: dict[str, Any] = {"additional_config": {CONFIG_KEY: cfg}, "worker_extension_cls": WORKER_EXTENSION}
     if coordinator:
         kwargs["weight_transfer_config"] = {"backend": "uzip"}
-        kwargs["worker_extension_cls"] = WORKER_EXTENSION
     return kwargs
 
 
@@ -95,13 +94,53 @@ def _apply_flags(engine_args, args: argparse.Namespace):
             raise ValueError(f"--uzip-coordinator uses the 'uzip' weight-transfer backend, but "
                              f"--weight-transfer-config asks for {backend!r}")
         engine_args.weight_transfer_config = WeightTransferConfig(backend="uzip")
-        if engine_args.worker_extension_cls not in ("", WORKER_EXTENSION):
-            raise ValueError(f"--comm-plugin uzip installs its worker extension, but --worker-extension-cls is "
-                             f"already {engine_args.worker_extension_cls!r}")
-        engine_args.worker_extension_cls = WORKER_EXTENSION
+    if engine_args.worker_extension_cls not in ("", WORKER_EXTENSION):
+        raise ValueError(f"--comm-plugin uzip installs its worker extension, but --worker-extension-cls is "
+                         f"already {engine_args.worker_extension_cls!r}")
+    engine_args.worker_extension_cls = WORKER_EXTENSION
+    if cfg["allreduce"] != "never":
+        _prepare_compilation(engine_args)
     SERVER_CONFIG = cfg
     logger.info("uzip: on (coordinator=%s, receiver ids %s-*)", cfg["coordinator"], cfg["receiver_id"])
     return engine_args
+
+
+def _prepare_compilation(engine_args) -> None:
+    """The compressed all-reduce must stay reachable and outside CUDA graphs
+    (uzip_vllm.allreduce): no all-reduce+RMSNorm fusion, and its op splits the graphs."""
+    from vllm.config import CompilationConfig
+
+    from uzip_vllm.allreduce import OP_NAME
+
+    cc = engine_args.compilation_config
+    if isinstance(cc, dict):
+        cc = CompilationConfig(**cc)
+    cc.pass_config.fuse_allreduce_rms = False
+    if cc.splitting_ops is not None and OP_NAME not in cc.splitting_ops:
+        cc.splitting_ops.append(OP_NAME)
+    engine_args.compilation_config = cc
+
+
+def _install_worker_hooks() -> None:
+    """In each worker, once its process groups exist, put the TP all-reduce on the ring."""
+    from vllm.v1.worker.worker_base import WorkerWrapperBase
+
+    orig = WorkerWrapperBase.init_device
+
+    def init_device(self):
+        orig(self)
+        cfg = (self.vllm_config.additional_config or {}).get(CONFIG_KEY) if self.vllm_config else None
+        if cfg and cfg.get("allreduce", "adaptive") != "never":
+            from vllm.config import set_current_vllm_config
+
+            from uzip_vllm import allreduce
+
+            with set_current_vllm_config(self.vllm_config):
+                allreduce.install_on_tp_group(cfg["allreduce"])
+        # Compressed PP activation send/recv (issue 12): uzip_vllm.pipeline, collective over the PP group.
+        if cfg: from uzip_vllm import pipeline; pipeline.install_on_pp_group(cfg)  # noqa: E701,E702
+
+    WorkerWrapperBase.init_device = init_device
 
 
 def register() -> None:
@@ -155,3 +194,9 @@ def register() -> None:
         return plugins
 
     vp.load_endpoint_plugins = load_endpoint_plugins
+
+    # KV-cache transfer for disaggregated prefill/decode (issue 8): `--kv-transfer-config
+    # '{"kv_connector":"UzipConnector",...}'`. Registered lazily, inert unless named.
+    from uzip_vllm import kv_connector; kv_connector.register()  # noqa: E702
+
+    _install_worker_hooks()

@@ -186,6 +186,16 @@ async def uzip_version(request: Request) -> JSONResponse:
     return JSONResponse(body)
 
 
+@router.get("/uzip/allreduce")
+async def uzip_allreduce(request: Request) -> JSONResponse:
+    """Per worker: all-reduces on the compressed ring, on the native path, bytes raw and on the wire."""
+    engine = getattr(request.app.state, "uzip_engine", None)
+    if engine is None:
+        return JSONResponse({"error": "no engine"}, status_code=404)
+    return JSONResponse({"mode": plugin.SERVER_CONFIG.get("allreduce"),
+                         "workers": await engine.collective_rpc("uzip_counters")})
+
+
 class UzipEndpointPlugin:
     """A `vllm.endpoint_plugins` plugin; added by `plugin.register` only with `--comm-plugin uzip`."""
 

@@ -136,8 +136,20 @@ class UzipWeightTransferEngine(WeightTransferEngine[UzipInitInfo, UzipUpdateInfo
         self.receiver_id = (f"{cfg['receiver_id']}-dp{pc.data_parallel_rank}-pp{get_pp_group().rank_in_group}"
                             f"-tp{get_tp_group().rank_in_group}")
         specs = checkpoint_specs(self.model_config.model, self.model_config.revision)
+        from uzip_serve.p2p.config import TransportConfig
+
+        # A worker shares its cores with vLLM's own threads. So: UCX's thread progress mode,
+        # whose completions arrive as Python futures and whose idle wait costs no CPU (the
+        # blocking mode, the default elsewhere, was measured spinning ~0.9 core in an idle
+        # worker between pushes); and a 30 s deadline, not 10 s, because a relay's connect or
+        # chunk may wait for a busy core (the coordinator's lease still notices a dead worker
+        # within seconds).
+        config = TransportConfig.from_env(
+            progress_mode=os.environ.get("UZIP_P2P_PROGRESS", "thread"),
+            deadline_s=float(os.environ.get("UZIP_P2P_DEADLINE_S", "30")))
         self.receiver = WeightReceiver(specs, coordinator=cfg["coordinator"], receiver_id=self.receiver_id,
-                                       token=read_token(cfg.get("token_file")), host=cfg.get("p2p_host", "127.0.0.1"))
+                                       token=read_token(cfg.get("token_file")), host=cfg.get("p2p_host", "127.0.0.1"),
+                                       config=config)
         self.receiver.start()
         self._pinned: tuple[int, dict[str, torch.Tensor]] | None = None
         self.applied_version = 0
@@ -199,6 +211,12 @@ class UzipWeightTransferEngine(WeightTransferEngine[UzipInitInfo, UzipUpdateInfo
 class UzipWorkerExtension:
     """Methods vLLM adds to each worker (`worker_extension_cls`) for the API server's
     `collective_rpc` calls. `self` is the vLLM worker."""
+
+    def uzip_counters(self) -> dict[str, Any]:
+        """The compressed all-reduce's counters in this worker (uzip_serve.collectives)."""
+        from uzip_vllm import allreduce
+
+        return allreduce.counters()
 
     def _uzip(self) -> UzipWeightTransferEngine:
         engine = getattr(self, "weight_transfer_engine", None)
