@@ -3,6 +3,7 @@
     uzip info FRAME            what a frame file holds (dtype, shape, ratio)
     uzip bench codec [...]     CPU codec vs zstd/lz4/zipnn on real tensors
     uzip coordinator --listen HOST:PORT --state FILE [...]   the weight-push coordinator
+    uzip disagg up --model DIR [...]   1 prefill + 1 decode vLLM instance and a proxy (UzipConnector)
     uzip version
 """
 
@@ -26,15 +27,33 @@ def _bench(args: list[str]) -> int:
         return 2
     sys.path.insert(0, str(root))
     if not args or args[0] in ("-h", "--help"):
-        print("usage: uzip bench {codec} [options]   (uzip bench codec --help)")
+        print("usage: uzip bench {codec,disagg} [options]   (uzip bench codec --help)")
         return 0 if args else 2
     which, rest = args[0], args[1:]
     if which == "codec":
         from benchmarks import codec_cpu
 
         return codec_cpu.main(rest)
-    print(f"uzip bench: unknown benchmark {which!r}; available: codec", file=sys.stderr)
+    if which == "disagg":
+        from benchmarks import disagg_link
+
+        return disagg_link.main(rest)
+    print(f"uzip bench: unknown benchmark {which!r}; available: codec, disagg", file=sys.stderr)
     return 2
+
+
+def _disagg(args: list[str]) -> int:
+    # The vLLM integration is optional: imported only here.
+    if not args or args[0] != "up":
+        print("usage: uzip disagg up [--model DIR] [--port 8000] [--tp 1] [--compression auto|on|off] ...",
+              file=sys.stderr)
+        return 0 if args and args[0] in ("-h", "--help") else 2
+    try:
+        from uzip_vllm import disagg
+    except ImportError as e:
+        print(f"uzip disagg needs the vLLM integration (pip install -e integrations/vllm): {e}", file=sys.stderr)
+        return 2
+    return disagg.main(args[1:])
 
 
 def _info(path: str) -> int:
@@ -64,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
                    add_help=False)
     if argv and argv[0] == "bench":
         return _bench(argv[1:])
+    sub.add_parser("disagg", help="disaggregated prefill/decode with vLLM (uzip disagg up --help)",
+                   add_help=False)
+    if argv and argv[0] == "disagg":
+        return _disagg(argv[1:])
     if argv and argv[0] == "coordinator":
         from uzip_serve.coordinator import server
 

@@ -1,0 +1,343 @@
+"""Disaggregated prefill/decode over a rate-limited link: `uzip bench disagg` (needs root).
+
+The prefill instance runs in network namespace uz_pf (10.78.0.1), the decode instance and
+the proxy in uz_dc (10.78.0.2); a veth pair joins them, capped with tbf in both directions.
+`vllm bench serve` (random dataset, fixed input/output lengths, one request at a time) drives
+the proxy. The same UzipConnector pair serves every run: compression is switched per request
+through the proxy (`POST /uzip/disagg/config`), interleaved on/off within each repeat, so slow
+drift of a shared machine hits both modes alike. Every run uses fresh random prompts (its own
+seed), so no prefix cache helps either mode.
+
+Per run: TTFT p50/p99, ITL p50/p99, throughput (from `vllm bench serve`); the TTFT split
+(prefill compute, KV transfer exposed on the TTFT path, decode start) and bytes on the wire
+(from the proxy's per-request records joined with both workers' transfer timings); the KV
+transfer time (seconds the sender spent sending, not waiting for the forward).
+
+    python -m benchmarks.disagg_link [--rates 100mbit,1gbit] [--input-lens 1024,4096]
+        [--output-len 32] [--num-prompts 5] [--repeats 2]
+
+Writes docs/benchmarks/disagg_link.{json,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks import machine
+
+REPO = Path(__file__).resolve().parents[1]
+OUT_DIR = REPO / "docs" / "benchmarks"
+NS = {"pf": "uz_pf", "dc": "uz_dc"}
+ADDR = {"pf": "10.78.0.1", "dc": "10.78.0.2"}
+DEV = {"pf": "uz_vpf", "dc": "uz_vdc"}
+
+
+# ---- the link (root namespace) ----------------------------------------------------------------------
+
+def _sh(*cmd: str, check: bool = True) -> None:
+    subprocess.run(list(cmd), check=check, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def link_down() -> None:
+    for ns in NS.values():
+        _sh("ip", "netns", "del", ns, check=False)
+
+
+def link_up(mtu: int = 65520) -> None:
+    link_down()
+    for ns in NS.values():
+        _sh("ip", "netns", "add", ns)
+    _sh("ip", "link", "add", DEV["pf"], "type", "veth", "peer", "name", DEV["dc"])
+    for side, ns in NS.items():
+        _sh("ip", "link", "set", DEV[side], "netns", ns)
+        _sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{ADDR[side]}/24", "dev", DEV[side])
+        _sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
+        _sh("ip", "netns", "exec", ns, "ip", "link", "set", DEV[side], "mtu", str(mtu), "up")
+
+
+def set_rate(rate: str) -> None:
+    """Both directions capped at `rate` ("100mbit", "1gbit"); burst small relative to the rate."""
+    burst = {"100mbit": "128kb", "1gbit": "1mb"}.get(rate, "1mb")
+    for side, ns in NS.items():
+        _sh("ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", DEV[side], "root", check=False)
+        _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", DEV[side], "root", "tbf", "rate", rate,
+            "burst", burst, "latency", "50ms")
+
+
+# ---- the runs (inside uz_dc) -------------------------------------------------------------------------
+
+def _http(url: str, body: dict | None = None):
+    import urllib.request
+
+    req = urllib.request.Request(url, data=json.dumps(body).encode() if body is not None else None,
+                                 headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())
+
+
+def _bench_serve(url: str, model: str, input_len: int, output_len: int, num_prompts: int, seed: int,
+                 out: Path) -> dict:
+    args = [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--backend", "vllm",
+            "--base-url", url, "--model", model, "--tokenizer", model, "--dataset-name", "random",
+            "--random-input-len", str(input_len), "--random-output-len", str(output_len),
+            "--random-range-ratio", "0", "--num-prompts", str(num_prompts), "--max-concurrency", "1",
+            "--ignore-eos", "--seed", str(seed), "--percentile-metrics", "ttft,itl,tpot,e2el",
+            "--metric-percentiles", "50,99", "--save-result", "--result-dir", str(out.parent),
+            "--result-filename", out.name, "--disable-tqdm", "--num-warmups", "0"]
+    r = subprocess.run(args, capture_output=True, text=True, timeout=1800,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    if r.returncode != 0 or not out.exists():
+        raise RuntimeError(f"vllm bench serve failed ({r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
+    return json.loads(out.read_text())
+
+
+def _split(records: list[dict]) -> dict:
+    """Medians over requests of the TTFT split and transfer figures (seconds, bytes)."""
+    rows = []
+    for r in records:
+        p, d = r.get("prefill") or {}, r.get("decode") or {}
+        if not all(k in p for k in ("t_compute_done", "t_send_start", "t_send_done")) or "t_injected" not in d \
+                or "t_first_token" not in r:
+            continue
+        rows.append({
+            "ttft_s": r["t_first_token"] - r["t_arrival"],
+            "prefill_compute_s": p["t_compute_done"] - r["t_arrival"],
+            "kv_exposed_s": d["t_injected"] - p["t_compute_done"],
+            "decode_start_s": r["t_first_token"] - d["t_injected"],
+            "kv_transfer_s": p["send_active_s"],
+            "kv_send_span_s": p["t_send_done"] - p["t_send_start"],
+            "raw_bytes": p["raw_bytes"], "wire_bytes": p["wire_bytes"],
+        })
+    if not rows:
+        return {"requests": 0}
+    out = {k: statistics.median(row[k] for row in rows) for k in rows[0]}
+    out["requests"] = len(rows)
+    out["ratio"] = out["wire_bytes"] / out["raw_bytes"] if out["raw_bytes"] else None
+    return out
+
+
+def inner(args) -> int:
+    """Runs in uz_dc: starts the pair (prefill wrapped into uz_pf) and the proxy, then the runs."""
+    import asyncio
+    import threading
+    from contextlib import ExitStack
+
+    sys.path.insert(0, str(REPO / "integrations" / "vllm"))
+    from uzip_vllm import demo, disagg
+
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    max_len = max(args.input_lens) + args.output_len + 64
+    results = []
+    with ExitStack() as stack:
+        t0 = time.perf_counter()
+        pair = disagg.start_pair(stack, args.model, work, compression="on", kv_port=args.kv_port,
+                                 decode_host=ADDR["dc"], prefill_host=ADDR["pf"],
+                                 prefill_wrap=["ip", "netns", "exec", NS["pf"]], max_model_len=max_len,
+                                 extra_extra={"load_timeout_s": 120.0, "deadline_s": 30.0},
+                                 vllm_args=["--max-num-batched-tokens", str(max_len)])
+        print(f"pair up in {time.perf_counter() - t0:.0f} s", flush=True)
+        proxy = disagg.Proxy(pair.prefill_url, pair.decode_url, pair.stats_dir)
+        port = demo.free_port()
+        loop = asyncio.new_event_loop()
+        stop = asyncio.Event()
+        th = threading.Thread(target=lambda: loop.run_until_complete(
+            disagg.serve_proxy(proxy, "127.0.0.1", port, stop)), daemon=True)
+        th.start()
+        stack.callback(lambda: (loop.call_soon_threadsafe(stop.set), th.join(10)))
+        url = f"http://127.0.0.1:{port}"
+        time.sleep(1)
+        # warm-up: both modes, short prompts, not recorded
+        for mode in ("on", "off"):
+            _http(url + "/uzip/disagg/config", {"compression": mode})
+            _bench_serve(url, args.model, 256, 8, 2, 999 + len(mode), work / f"warm-{mode}.json")
+        seed = 1
+        for rate in args.rates:
+            set_rate(rate)
+            for rep in range(args.repeats):
+                for input_len in args.input_lens:
+                    modes = ("on", "off") if rep % 2 == 0 else ("off", "on")
+                    for mode in modes:
+                        seed += 1
+                        _http(url + "/uzip/disagg/config", {"compression": mode})
+                        t_start = time.time()
+                        bench = _bench_serve(url, args.model, input_len, args.output_len, args.num_prompts, seed,
+                                             work / f"b-{rate}-{input_len}-{mode}-{rep}.json")
+                        time.sleep(0.5)  # the workers' stats files are written after the answer
+                        recs = [r for r in _http(url + "/uzip/disagg/requests") if r["t_arrival"] >= t_start]
+                        row = {"rate": rate, "input_len": input_len, "output_len": args.output_len,
+                               "compression": mode, "repeat": rep, "num_prompts": args.num_prompts,
+                               "ttft_p50_ms": bench.get("median_ttft_ms"), "ttft_p99_ms": bench.get("p99_ttft_ms"),
+                               "itl_p50_ms": bench.get("median_itl_ms"), "itl_p99_ms": bench.get("p99_itl_ms"),
+                               "request_throughput": bench.get("request_throughput"),
+                               "output_throughput": bench.get("output_throughput"),
+                               "completed": bench.get("completed"), "split": _split(recs)}
+                        results.append(row)
+                        print("RUN " + json.dumps(row), flush=True)
+        stats = _http(url + "/uzip/disagg/stats")
+    print("RESULT " + json.dumps({"runs": results, "stats": stats}), flush=True)
+    return 0
+
+
+# ---- summary, JSON, PNG ------------------------------------------------------------------------------
+
+def summarize(runs: list[dict]) -> list[dict]:
+    table = []
+    keys = sorted({(r["rate"], r["input_len"]) for r in runs}, key=lambda k: (k[0] != "100mbit", k[1]))
+    for rate, n in keys:
+        row = {"rate": rate, "input_len": n}
+        for mode in ("on", "off"):
+            rs = [r for r in runs if r["rate"] == rate and r["input_len"] == n and r["compression"] == mode]
+            med = lambda f: statistics.median(f(r) for r in rs) if rs else None  # noqa: E731
+            row[mode] = {
+                "ttft_p50_ms": med(lambda r: r["ttft_p50_ms"]), "ttft_p99_ms": med(lambda r: r["ttft_p99_ms"]),
+                "itl_p50_ms": med(lambda r: r["itl_p50_ms"]), "output_throughput": med(lambda r: r["output_throughput"]),
+                "prefill_compute_s": med(lambda r: r["split"]["prefill_compute_s"]),
+                "kv_transfer_s": med(lambda r: r["split"]["kv_transfer_s"]),
+                "kv_exposed_s": med(lambda r: r["split"]["kv_exposed_s"]),
+                "decode_start_s": med(lambda r: r["split"]["decode_start_s"]),
+                "raw_mb": med(lambda r: r["split"]["raw_bytes"] / 1e6),
+                "wire_mb": med(lambda r: r["split"]["wire_bytes"] / 1e6),
+            }
+        on, off = row["on"], row["off"]
+        row["transfer_ratio"] = on["kv_transfer_s"] / off["kv_transfer_s"]
+        row["ttft_saved_ms"] = off["ttft_p50_ms"] - on["ttft_p50_ms"]
+        # What the transfer saving predicts for TTFT: the exposed part of the transfer shrinks
+        # by the same factor (the rest of the transfer overlaps the forward).
+        row["ttft_saved_predicted_ms"] = 1000 * off["kv_exposed_s"] * (1 - row["transfer_ratio"])
+        row["bar_transfer_le_0_75"] = row["transfer_ratio"] <= 0.75
+        table.append(row)
+    return table
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    table = result["table"]
+    labels = [f"{r['rate']}\n{r['input_len']} tok" for r in table]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    x = range(len(table))
+    w = 0.38
+    for ax, title in zip(axes, ("TTFT split, p50 request (s)", "KV transfer time (s)")):
+        for j, mode in enumerate(("off", "on")):
+            xs = [i + (j - 0.5) * w for i in x]
+            if title.startswith("TTFT"):
+                bottom = [0.0] * len(table)
+                for part, color in (("prefill_compute_s", "#888888"), ("kv_exposed_s", "#d62728"),
+                                    ("decode_start_s", "#1f77b4")):
+                    vals = [r[mode][part] for r in table]
+                    ax.bar(xs, vals, w, bottom=bottom, color=color, alpha=1.0 if mode == "on" else 0.55,
+                           label=f"{part.replace('_s', '')}" if mode == "on" else None, edgecolor="black")
+                    bottom = [b + v for b, v in zip(bottom, vals)]
+                for xi, b in zip(xs, bottom):
+                    ax.text(xi, b, "raw" if mode == "off" else "uzip", ha="center", va="bottom", fontsize=7)
+            else:
+                vals = [r[mode]["kv_transfer_s"] for r in table]
+                ax.bar(xs, vals, w, label=f"compression {mode}", color="#2ca02c" if mode == "on" else "#bbbbbb",
+                       edgecolor="black")
+        ax.set_xticks(list(x))
+        ax.set_xticklabels(labels)
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+    for i, r in enumerate(table):
+        axes[1].text(i, max(r["on"]["kv_transfer_s"], r["off"]["kv_transfer_s"]), f"{r['transfer_ratio']:.2f}x",
+                     ha="center", va="bottom", fontsize=8)
+    m = result["machine"]
+    fig.suptitle(f"UzipConnector, Gemma-3-270M bf16, prefill and decode on one {m.get('cores')}-core host in two "
+                 f"netns over a tbf-capped veth (left: raw = pale, uzip = solid)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="uzip bench disagg", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rates", default="100mbit,1gbit")
+    ap.add_argument("--input-lens", default="1024,4096")
+    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--num-prompts", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--model", default=None, help="default: the converted Gemma-3-270M")
+    ap.add_argument("--out-dir", default=str(OUT_DIR))
+    ap.add_argument("--workdir", default="/tmp/uzip-bench-disagg")
+    ap.add_argument("--kv-port", type=int, default=14600)
+    ap.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    args.rates = args.rates.split(",")
+    args.input_lens = [int(n) for n in args.input_lens.split(",")]
+    if args.model is None:
+        from benchmarks import realdata
+
+        args.model = str(realdata.gemma_dir())
+    if args.inner:
+        # SIGTERM from the outer process unwinds the stack, which stops the vLLM pair.
+        signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+        return inner(args)
+    if os.geteuid() != 0:
+        print("uzip bench disagg needs root (network namespaces and tc)", file=sys.stderr)
+        return 2
+
+    def on_signal(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    link_up()
+    proc = None
+    try:
+        argv_inner = [sys.executable, "-m", "benchmarks.disagg_link", "--inner", "--rates", ",".join(args.rates),
+                      "--input-lens", ",".join(map(str, args.input_lens)), "--output-len", str(args.output_len),
+                      "--num-prompts", str(args.num_prompts), "--repeats", str(args.repeats), "--model", args.model,
+                      "--workdir", args.workdir, "--kv-port", str(args.kv_port)]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "integrations" / "vllm"),
+                                                            os.environ.get("PYTHONPATH", "")])}
+        proc = subprocess.Popen(["ip", "netns", "exec", NS["dc"], *argv_inner], stdout=subprocess.PIPE, text=True,
+                                cwd=str(REPO), env=env, start_new_session=True)
+        final = None
+        for line in proc.stdout:
+            if line.startswith("RESULT "):
+                final = json.loads(line[7:])
+            else:
+                print(line, end="", flush=True)
+        proc.wait()
+        if proc.returncode != 0 or final is None:
+            print(f"the benchmark failed ({proc.returncode}); logs in {args.workdir}", file=sys.stderr)
+            return 1
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+        link_down()
+    result = {"benchmark": "disagg_link", "machine": machine.describe(), "model": "Gemma-3-270M bf16",
+              "settings": {"rates": args.rates, "input_lens": args.input_lens, "output_len": args.output_len,
+                           "num_prompts": args.num_prompts, "repeats": args.repeats, "max_concurrency": 1},
+              "table": summarize(final["runs"]), "runs": final["runs"], "connector_stats": final["stats"]}
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "disagg_link.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, out / "disagg_link.png")
+    for r in result["table"]:
+        print(f"{r['rate']:>8} {r['input_len']:>5} tok: KV transfer {r['on']['kv_transfer_s']:.3f} s vs "
+              f"{r['off']['kv_transfer_s']:.3f} s raw ({r['transfer_ratio']:.2f}x), TTFT p50 "
+              f"{r['on']['ttft_p50_ms']:.0f} vs {r['off']['ttft_p50_ms']:.0f} ms (saved {r['ttft_saved_ms']:.0f}, "
+              f"predicted {r['ttft_saved_predicted_ms']:.0f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

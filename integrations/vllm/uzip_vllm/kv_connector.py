@@ -1,0 +1,749 @@
+"""`UzipConnector`: vLLM KV-cache transfer for disaggregated prefill/decode over uzip_serve.p2p.
+
+    vllm serve M --kv-transfer-config '{"kv_connector":"UzipConnector","kv_role":"kv_producer",
+        "kv_connector_extra_config":{"peer":"DECODE_HOST:PORT"}}'            # prefill
+    vllm serve M --kv-transfer-config '{"kv_connector":"UzipConnector","kv_role":"kv_consumer",
+        "kv_connector_extra_config":{"listen":"0.0.0.0:PORT"}}'              # decode
+
+A request takes part when its `kv_transfer_params` carry `{"uzip": {"xfer_id": "<32 hex>"}}`;
+the proxy (`uzip_vllm.disagg`) sends the same id to both instances at once. Design, hooks,
+failure policy and measurements: docs/kv_connector.md.
+
+How KV moves (push, layer by layer):
+- prefill, worker side: in the step that finishes a request's prompt, `save_kv_layer` copies
+  that layer's blocks of the request (`index_select`, so the blocks may be freed at once) and
+  hands them to a sender thread, which sends them over a fresh UCX endpoint to the decode
+  worker of the same TP rank while the forward computes the next layers. The split-send
+  pipeline compresses each chunk (auto / on / off);
+- decode, worker side: a listener thread receives the layers into a store keyed by xfer id;
+  the scheduler admits the request with an asynchronous load of the first `prompt - 1`
+  tokens, and once every layer has arrived `get_transfer_results` writes the blocks into the
+  paged cache and reports the request finished receiving. The last prompt token is computed
+  locally, which produces the first token's logits.
+
+Nothing from the network is unpickled: control messages are fixed structs, tensors come
+through the p2p wire protocol (manifest + checksummed chunks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import queue
+import re
+import struct
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("uzip_vllm.kv_connector")
+
+CONNECTOR_NAME = "UzipConnector"
+PARAMS_KEY = "uzip"
+_XFER_ID = re.compile(r"^[0-9a-f]{32}$")
+
+# ---- wire: the control messages (docs/kv_connector.md) -----------------------------------------
+# Sender -> receiver, first message on every connection, 68 bytes, little-endian:
+#   4s  magic "UZKV"
+#   u16 version (1)
+#   u16 kind: 1 = probe (start-up layout check; nothing follows), 2 = transfer
+#   u16 tp_size, u16 tp_rank of the sender
+#   u16 num_layers: per-layer messages that follow a transfer, in layer order
+#   u8  dtype code (_DTYPES), u8 reserved (0)
+#   u32 block_size: tokens per KV block
+#   u32 num_tokens: prompt tokens whose KV the blocks hold (prompt length - 1)
+#   u32 num_blocks: blocks per layer message (ceil(num_tokens / block_size))
+#   u64 page_nbytes: bytes of one block of one layer
+#   32s xfer_id: ASCII hex (zeros for a probe)
+# Then, for a transfer, num_layers p2p tensor messages, each {"<layer index>": [num_blocks, *page]}.
+HELLO = struct.Struct("<4sHHHHHBBIIIQ32s")
+HELLO_MAGIC = b"UZKV"
+HELLO_VERSION = 1
+KIND_PROBE, KIND_TRANSFER = 1, 2
+# Receiver -> sender, the answer to a hello: 4s magic "UZKA", u32 status (0 ok, 1 refused),
+# then a UTF-8 reason (at most 1 KiB) when refused.
+REPLY = struct.Struct("<4sI")
+REPLY_MAGIC = b"UZKA"
+_DTYPES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.uint8: 4, torch.int8: 5}
+if hasattr(torch, "float8_e4m3fn"):
+    _DTYPES[torch.float8_e4m3fn] = 6
+assert HELLO.size == 68
+
+
+@dataclasses.dataclass(frozen=True)
+class Hello:
+    kind: int
+    tp_size: int
+    tp_rank: int
+    num_layers: int
+    dtype_code: int
+    block_size: int
+    num_tokens: int
+    num_blocks: int
+    page_nbytes: int
+    xfer_id: str
+
+    def pack(self) -> bytes:
+        return HELLO.pack(HELLO_MAGIC, HELLO_VERSION, self.kind, self.tp_size, self.tp_rank, self.num_layers,
+                          self.dtype_code, 0, self.block_size, self.num_tokens, self.num_blocks,
+                          self.page_nbytes, self.xfer_id.encode("ascii").ljust(32, b"\0"))
+
+    @classmethod
+    def unpack(cls, data: bytes) -> "Hello":
+        if len(data) != HELLO.size:
+            raise ValueError(f"hello is {len(data)} bytes, expected {HELLO.size}")
+        (magic, version, kind, tp_size, tp_rank, num_layers, dtype_code, _, block_size, num_tokens, num_blocks,
+         page_nbytes, xfer) = HELLO.unpack(data)
+        if magic != HELLO_MAGIC:
+            raise ValueError(f"bad magic {magic!r}")
+        if version != HELLO_VERSION:
+            raise ValueError(f"unsupported version {version} (this side speaks {HELLO_VERSION})")
+        if kind not in (KIND_PROBE, KIND_TRANSFER):
+            raise ValueError(f"unknown kind {kind}")
+        xfer_id = xfer.rstrip(b"\0").decode("ascii", "replace")
+        if kind == KIND_TRANSFER and not _XFER_ID.match(xfer_id):
+            raise ValueError("malformed xfer id")
+        return cls(kind, tp_size, tp_rank, num_layers, dtype_code, block_size, num_tokens, num_blocks,
+                   page_nbytes, xfer_id)
+
+
+def pack_reply(reason: str | None) -> bytes:
+    return REPLY.pack(REPLY_MAGIC, 0 if reason is None else 1) + (reason or "").encode()[:1024]
+
+
+def unpack_reply(data: bytes) -> str | None:
+    if len(data) < REPLY.size:
+        raise ValueError("short reply")
+    magic, status = REPLY.unpack_from(data)
+    if magic != REPLY_MAGIC:
+        raise ValueError(f"bad reply magic {magic!r}")
+    return None if status == 0 else data[REPLY.size:].decode("utf-8", "replace") or "refused"
+
+
+# ---- settings -------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class UzipKVConfig:
+    """`kv_connector_extra_config`, parsed once (`parse_config`)."""
+    peer: str | None = None          # producer: decode's kv listener HOST:PORT (rank r uses PORT + r)
+    listen: str = "127.0.0.1:0"      # consumer: HOST:PORT to bind (rank r binds PORT + r)
+    compression: str = "auto"        # p2p TransportConfig.compression: auto | on | off
+    progress_mode: str = "thread"    # ucxx progress; "thread" does not spin while idle (crowded hosts)
+    chunk_bytes: int = 1 << 20       # small: a layer is a few MB, so chunks pipeline within it
+    deadline_s: float = 10.0         # every p2p send/receive must progress within it
+    load_timeout_s: float = 30.0     # decode: a load not complete by then fails (policy applies)
+    startup_timeout_s: float = 300.0 # producer: how long start-up waits for the decode listener
+    stats_dir: str | None = None     # where each worker writes its counters (JSON) for the proxy
+    test_layer_delay_s: float = 0.0  # tests only: the sender sleeps this long before each layer
+
+    @property
+    def peer_host_port(self) -> tuple[str, int]:
+        host, _, port = (self.peer or "").rpartition(":")
+        return host, int(port)
+
+
+def parse_config(extra: dict[str, Any], role: str | None) -> UzipKVConfig:
+    fields = {f.name: f for f in dataclasses.fields(UzipKVConfig)}
+    unknown = sorted(set(extra) - set(fields))
+    if unknown:
+        raise ValueError(f"UzipConnector: unknown kv_connector_extra_config keys {unknown}; known: {sorted(fields)}")
+    kwargs = {}
+    for key, value in extra.items():
+        want = type(UzipKVConfig.__dataclass_fields__[key].default)
+        try:
+            kwargs[key] = value if value is None or want in (type(None), str) else want(value)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"UzipConnector: kv_connector_extra_config[{key!r}]={value!r}: {e}") from None
+    cfg = UzipKVConfig(**kwargs)
+    if cfg.compression not in ("auto", "on", "off"):
+        raise ValueError(f"UzipConnector: compression must be auto/on/off, got {cfg.compression!r}")
+    if role == "kv_producer":
+        if not cfg.peer or ":" not in cfg.peer:
+            raise ValueError("UzipConnector (kv_producer) needs kv_connector_extra_config.peer = 'DECODE_HOST:PORT'")
+        cfg.peer_host_port  # noqa: B018 - validates the port
+    elif role != "kv_consumer":
+        raise ValueError(f"UzipConnector supports kv_role kv_producer or kv_consumer, not {role!r}")
+    return cfg
+
+
+def _params(request: "Request") -> dict:
+    params = getattr(request, "kv_transfer_params", None) or {}
+    entry = params.get(PARAMS_KEY) if isinstance(params, dict) else None
+    return entry if isinstance(entry, dict) else {}
+
+
+def xfer_id_of(request: "Request") -> str | None:
+    xfer = _params(request).get("xfer_id")
+    return xfer if isinstance(xfer, str) and _XFER_ID.match(xfer) else None
+
+
+def compression_of(request: "Request") -> str | None:
+    """A per-request override of the sender's compression (auto/on/off), e.g. for A/B runs."""
+    c = _params(request).get("compression")
+    return c if c in ("auto", "on", "off") else None
+
+
+# ---- metadata (scheduler -> worker; lives in-process or is serialized by vLLM) -------------------
+
+@dataclasses.dataclass
+class SaveSpec:
+    req_id: str
+    xfer_id: str
+    block_ids: list[int]   # the request's first ceil(num_tokens / block_size) blocks
+    num_tokens: int
+    compression: str | None = None  # overrides the configured compression for this transfer
+
+
+@dataclasses.dataclass
+class LoadSpec:
+    req_id: str
+    xfer_id: str
+    block_ids: list[int]   # destination blocks, by position in the request's block table
+    first_pos: int         # positions before it are local prefix-cache hits: not overwritten
+    num_tokens: int
+
+
+@dataclasses.dataclass
+class UzipConnectorMetadata(KVConnectorMetadata):
+    saves: list[SaveSpec] = dataclasses.field(default_factory=list)
+    loads: list[LoadSpec] = dataclasses.field(default_factory=list)
+
+
+# ---- worker-side helpers ---------------------------------------------------------------------------
+
+class _Stats:
+    """Counters and recent per-transfer timings of one worker, written to `stats_dir` as JSON."""
+
+    def __init__(self, path: str | None):
+        self._path = path
+        self._lock = threading.Lock()
+        self.counters: dict[str, float] = {}
+        self.xfers: dict[str, dict[str, Any]] = {}
+        self._last_write = 0.0
+
+    def add(self, **inc: float) -> None:
+        with self._lock:
+            for k, v in inc.items():
+                self.counters[k] = self.counters.get(k, 0) + v
+        self.flush()
+
+    def note(self, xfer_id: str, **fields: Any) -> None:
+        with self._lock:
+            self.xfers.setdefault(xfer_id, {}).update(fields)
+            while len(self.xfers) > 2000:
+                self.xfers.pop(next(iter(self.xfers)))
+
+    def flush(self, force: bool = True) -> None:
+        if not self._path:
+            return
+        with self._lock:
+            data = json.dumps({"counters": self.counters, "xfers": self.xfers, "pid": os.getpid(),
+                               "time": time.time()})
+        tmp = f"{self._path}.{threading.get_ident()}.tmp"
+        with open(tmp, "w") as f:
+            f.write(data)
+        os.replace(tmp, self._path)
+
+
+@dataclasses.dataclass
+class _Incoming:
+    """Layers of one transfer as they arrive on the decode worker."""
+    hello: Hello
+    t_begin: float
+    layers: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    done: bool = False
+    error: str | None = None
+    t_done: float = 0.0
+    raw_bytes: int = 0
+    wire_bytes: int = 0
+
+
+class _Outgoing:
+    """Layers of one transfer waiting for the sender thread (prefill worker)."""
+
+    def __init__(self, spec: SaveSpec):
+        self.spec = spec
+        self.q: queue.Queue = queue.Queue()
+        self.t_first = time.time()
+
+
+_END = object()
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    if dtype not in _DTYPES:
+        raise ValueError(f"UzipConnector: KV cache dtype {dtype} is not supported ({list(_DTYPES)})")
+    return _DTYPES[dtype]
+
+
+def _tp() -> tuple[int, int]:
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+    return get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
+
+
+# ---- the connector ---------------------------------------------------------------------------------
+
+class UzipConnector(KVConnectorBase_V1):
+    """KV hand-off from a prefill instance (kv_producer) to a decode instance (kv_consumer).
+
+    Scheduler side (EngineCore process): decides which requests send or load and when.
+    Worker side (each TP worker): moves the bytes; rank r of prefill talks to rank r of decode.
+    """
+
+    _cache_hit_source = CacheHitSource.P2P
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        ktc = self._kv_transfer_config
+        self._cfg = parse_config(dict(ktc.kv_connector_extra_config or {}), ktc.kv_role)
+        self._producer = ktc.kv_role == "kv_producer"
+        self._block_size = vllm_config.cache_config.block_size
+        self._tp_size = vllm_config.parallel_config.tensor_parallel_size
+        # scheduler side
+        self._to_send: dict[str, "Request"] = {}
+        self._claimed: set[str] = set()
+        self._local_hits: dict[str, int] = {}
+        self._to_load: dict[str, LoadSpec] = {}
+        # worker side (filled by register_kv_caches)
+        self._kv: dict[str, torch.Tensor] = {}
+        self._layer_index: dict[str, int] = {}
+        self._layer_names: list[str] = []
+        self._stats: _Stats | None = None
+        self._outgoing: dict[str, _Outgoing] = {}
+        self._sender: ThreadPoolExecutor | None = None
+        self._incoming: dict[str, _Incoming] = {}
+        self._incoming_lock = threading.Lock()
+        self._pending: dict[str, tuple[LoadSpec, float]] = {}
+        self._arrived = threading.Event()  # set by receiver threads when a transfer ends
+        self._listener = None
+        self._closed = False
+        self._transport = None
+
+    # ==== scheduler side ====================================================================
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Decode: the first `prompt - 1` tokens come from the prefill instance, loaded
+        asynchronously (the request waits in WAITING_FOR_REMOTE_KVS). Asked once per request:
+        after a load, finished or failed, the request computes locally."""
+        if self._producer or request.request_id in self._claimed or xfer_id_of(request) is None:
+            return 0, False
+        num_tokens = len(request.prompt_token_ids or ()) - 1
+        external = num_tokens - num_computed_tokens
+        if external <= 0:
+            return 0, False
+        self._local_hits[request.request_id] = num_computed_tokens
+        return external, True
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+        xfer = xfer_id_of(request)
+        if xfer is None:
+            return
+        if self._producer:
+            if len(request.prompt_token_ids or ()) > 1:
+                self._to_send.setdefault(request.request_id, request)
+            return
+        if num_external_tokens <= 0 or request.request_id in self._claimed:
+            return
+        self._claimed.add(request.request_id)
+        num_tokens = len(request.prompt_token_ids or ()) - 1
+        num_blocks = math.ceil(num_tokens / self._block_size)
+        block_ids = list(blocks.get_block_ids()[0][:num_blocks])
+        local = self._local_hits.pop(request.request_id, 0)
+        self._to_load[request.request_id] = LoadSpec(request.request_id, xfer, block_ids,
+                                                     local // self._block_size, num_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        """Producer: a request is saved in the step that computes the end of its prompt
+        (chunked prefill sends once, all blocks). Consumer: this step's new loads."""
+        meta = UzipConnectorMetadata()
+        for req_id, request in list(self._to_send.items()):
+            scheduled = scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            prompt_len = len(request.prompt_token_ids or ())
+            if scheduled and request.num_computed_tokens + scheduled >= prompt_len:
+                num_tokens = prompt_len - 1
+                blocks = self._kv_cache_manager.get_block_ids(req_id)[0]
+                meta.saves.append(SaveSpec(req_id, xfer_id_of(request), list(blocks[:math.ceil(num_tokens /
+                                                                                               self._block_size)]),
+                                           num_tokens, compression_of(request)))
+                del self._to_send[req_id]
+        meta.loads = list(self._to_load.values())
+        self._to_load.clear()
+        return meta
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Blocks are free at once: the producer copied them in save_kv_layer, the consumer
+        wrote them before reporting the load finished."""
+        self._to_send.pop(request.request_id, None)
+        self._claimed.discard(request.request_id)
+        self._local_hits.pop(request.request_id, None)
+        self._to_load.pop(request.request_id, None)
+        return False, None
+
+    # ==== worker side: both roles ==============================================================
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        """Called once per worker after the KV cache is allocated: layout, then the listener
+        (consumer) or the start-up probe of the decode side (producer)."""
+        from uzip_serve.p2p import TransportConfig
+
+        self._kv = {name: (t[0] if isinstance(t, (list, tuple)) else t) for name, t in kv_caches.items()}
+        self._layer_names = list(self._kv)
+        self._layer_index = {n: i for i, n in enumerate(self._layer_names)}
+        first = self._kv[self._layer_names[0]]
+        for name, t in self._kv.items():
+            if t.shape[1:] != first.shape[1:] or t.dtype != first.dtype:
+                raise ValueError(f"UzipConnector: layer {name} has KV pages {tuple(t.shape[1:])} {t.dtype}, "
+                                 f"unlike {tuple(first.shape[1:])} {first.dtype}: mixed layouts are not supported")
+        self._page_shape = tuple(first.shape[1:])
+        self._page_nbytes = first[0].numel() * first.element_size()
+        self._dtype = first.dtype
+        _dtype_code(first.dtype)
+        tp_size, self._tp_rank = _tp()
+        role = "prefill" if self._producer else "decode"
+        stats_path = None
+        if self._cfg.stats_dir:
+            os.makedirs(self._cfg.stats_dir, exist_ok=True)
+            stats_path = os.path.join(self._cfg.stats_dir, f"{role}-tp{self._tp_rank}.json")
+        self._stats = _Stats(stats_path)
+        self._transport = TransportConfig.from_env(compression=self._cfg.compression,
+                                                   progress_mode=self._cfg.progress_mode,
+                                                   chunk_bytes=self._cfg.chunk_bytes,
+                                                   deadline_s=self._cfg.deadline_s, cuda_ipc="off")
+        if self._producer:
+            self._sender = ThreadPoolExecutor(max_workers=4, thread_name_prefix="uzip-kv-send")
+            self._probe_peer()
+        else:
+            self._start_listener()
+        self._stats.flush()
+
+    def _hello(self, kind: int, xfer_id: str = "", num_tokens: int = 0, num_blocks: int = 0) -> Hello:
+        return Hello(kind, self._tp_size, self._tp_rank, len(self._layer_names), _dtype_code(self._dtype),
+                     self._block_size, num_tokens, num_blocks, self._page_nbytes, xfer_id)
+
+    def _check_hello(self, h: Hello) -> str | None:
+        """The decode side's layout check; the reason is sent back and raised at prefill start-up."""
+        if h.tp_size != self._tp_size:
+            return (f"tensor-parallel sizes differ: prefill TP={h.tp_size}, decode TP={self._tp_size}; "
+                    f"UzipConnector needs the same TP on both sides")
+        if h.tp_rank != self._tp_rank:
+            return f"prefill rank {h.tp_rank} reached decode rank {self._tp_rank} (ports are PORT + rank)"
+        mine = self._hello(KIND_PROBE)
+        for field in ("num_layers", "dtype_code", "block_size", "page_nbytes"):
+            if getattr(h, field) != getattr(mine, field):
+                return (f"KV layout differs: prefill {field}={getattr(h, field)}, decode {getattr(mine, field)} "
+                        f"(same model, dtype and --block-size on both sides?)")
+        return None
+
+    # ==== worker side: producer ================================================================
+
+    def _probe_peer(self) -> None:
+        from uzip_serve import p2p
+
+        host, port = self._cfg.peer_host_port
+        port += self._tp_rank
+        deadline = time.monotonic() + self._cfg.startup_timeout_s
+        last: Exception | None = None
+        while time.monotonic() < deadline:
+            try:
+                ep = p2p.connect_sync(host, port, self._transport)
+            except Exception as e:  # noqa: BLE001 - not up yet; retried until the deadline
+                last = e
+                time.sleep(1.0)
+                continue
+            try:
+                ep.send_bytes(self._hello(KIND_PROBE).pack())
+                reason = unpack_reply(ep.recv_bytes(4096))
+            except Exception as e:  # noqa: BLE001
+                last = e
+                ep.abort()
+                time.sleep(1.0)
+                continue
+            ep.close()
+            if reason:
+                raise RuntimeError(f"UzipConnector: the decode instance at {host}:{port} refused this prefill "
+                                   f"instance: {reason}")
+            logger.info("UzipConnector: decode peer %s:%d accepted the layout", host, port)
+            return
+        logger.warning("UzipConnector: decode peer %s:%d not reachable within %.0f s (%s); transfers will be "
+                       "tried per request", host, port, self._cfg.startup_timeout_s, last)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+        """Called by each attention layer after its forward: copy this step's finishing
+        requests' blocks of this layer and queue them; the sender thread sends while the
+        next layers compute."""
+        if not self._producer or not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, UzipConnectorMetadata) or not meta.saves:
+            return
+        idx = self._layer_index.get(layer_name)
+        if idx is None:
+            return
+        layer = kv_layer[0] if isinstance(kv_layer, (list, tuple)) else kv_layer
+        for spec in meta.saves:
+            out = self._outgoing.get(spec.xfer_id)
+            if out is None:
+                out = self._outgoing[spec.xfer_id] = _Outgoing(spec)
+                self._sender.submit(self._send_one, out)
+            ids = torch.tensor(spec.block_ids, dtype=torch.long, device=layer.device)
+            out.q.put((idx, layer.index_select(0, ids).cpu()))
+
+    def wait_for_save(self):
+        """No wait: the blocks were copied in save_kv_layer. Marks the end of the transfers'
+        layers (a missing layer aborts the transfer, so decode never sees a partial one)."""
+        if not self._producer or not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, UzipConnectorMetadata):
+            return
+        now = time.time()
+        for spec in meta.saves:
+            out = self._outgoing.pop(spec.xfer_id, None)
+            if out is not None:
+                self._stats.note(spec.xfer_id, t_compute_done=now, t_first_layer=out.t_first)
+                out.q.put(_END)
+
+    def _send_one(self, out: _Outgoing) -> None:
+        from uzip_serve import p2p
+
+        spec, stats = out.spec, self._stats
+        host, port = self._cfg.peer_host_port
+        port += self._tp_rank
+        t0 = time.time()
+        raw = wire = 0
+        active = 0.0  # seconds spent in hello + sends, i.e. not waiting for the forward
+        ep = None
+        try:
+            transport = self._transport
+            if spec.compression and spec.compression != transport.compression:
+                transport = dataclasses.replace(transport, compression=spec.compression)
+            ep = p2p.connect_sync(host, port, transport)
+            num_blocks = len(spec.block_ids)
+            ep.send_bytes(self._hello(KIND_TRANSFER, spec.xfer_id, spec.num_tokens, num_blocks).pack())
+            reason = unpack_reply(ep.recv_bytes(4096))
+            active = time.time() - t0
+            if reason:
+                raise RuntimeError(f"decode refused: {reason}")
+            for expect in range(len(self._layer_names)):
+                item = out.q.get(timeout=self._cfg.load_timeout_s)
+                if item is _END:
+                    raise RuntimeError(f"only {expect} of {len(self._layer_names)} layers were saved")
+                idx, blocks = item
+                if self._cfg.test_layer_delay_s:
+                    time.sleep(self._cfg.test_layer_delay_s)
+                ts = time.perf_counter()
+                st = ep.send_tensors({str(idx): blocks})
+                active += time.perf_counter() - ts
+                raw += st.raw_bytes
+                wire += st.wire_bytes
+            ep.close()
+            t1 = time.time()
+            stats.note(spec.xfer_id, t_send_start=t0, t_send_done=t1, send_active_s=active, raw_bytes=raw,
+                       wire_bytes=wire, compression=transport.compression)
+            stats.add(sends_ok=1, send_raw_bytes=raw, send_wire_bytes=wire, send_seconds=t1 - t0,
+                      send_active_seconds=active)
+        except Exception as e:  # noqa: BLE001 - the decode side applies its load-failure policy
+            logger.warning("UzipConnector: sending KV of %s failed: %s", spec.req_id, e)
+            if ep is not None:
+                ep.abort()
+            stats.note(spec.xfer_id, t_send_start=t0, error=str(e)[:300])
+            stats.add(sends_failed=1)
+
+    # ==== worker side: consumer ================================================================
+
+    def _start_listener(self) -> None:
+        from uzip_serve import p2p
+
+        host, _, port = self._cfg.listen.rpartition(":")
+        port = int(port) + self._tp_rank if int(port) else 0
+        self._listener = p2p.SyncListener(port, self._transport)
+        logger.info("UzipConnector: decode rank %d listening for KV on port %d (host %s)", self._tp_rank,
+                    self._listener.port, host)
+        self._stats.counters["listen_port"] = self._listener.port
+        threading.Thread(target=self._accept_loop, name="uzip-kv-accept", daemon=True).start()
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                ep = self._listener.accept(timeout=1.0)
+            except Exception:  # noqa: BLE001 - accept timeout: check for shutdown
+                continue
+            threading.Thread(target=self._serve, args=(ep,), name="uzip-kv-recv", daemon=True).start()
+
+    def _serve(self, ep) -> None:
+        entry: _Incoming | None = None
+        try:
+            hello = Hello.unpack(ep.recv_bytes(HELLO.size))
+            reason = self._check_hello(hello)
+            if reason is None and hello.kind == KIND_TRANSFER:
+                expect = math.ceil(hello.num_tokens / self._block_size) if hello.num_tokens else 0
+                if hello.num_blocks != expect or hello.num_tokens == 0:
+                    reason = f"{hello.num_blocks} blocks for {hello.num_tokens} tokens"
+            ep.send_bytes(pack_reply(reason))
+            if reason is not None:
+                logger.warning("UzipConnector: refused a prefill peer: %s", reason)
+                self._stats.add(refused=1)
+                ep.close()
+                return
+            if hello.kind == KIND_PROBE:
+                ep.close()
+                return
+            entry = _Incoming(hello, time.time())
+            with self._incoming_lock:
+                self._incoming[hello.xfer_id] = entry
+            want_shape = (hello.num_blocks, *self._page_shape)
+            for i in range(hello.num_layers):
+                got = ep.recv_tensors()
+                st = ep.last_stats
+                t = got.get(str(i))
+                if len(got) != 1 or t is None or tuple(t.shape) != want_shape or t.dtype != self._dtype:
+                    raise ValueError(f"layer {i}: unexpected message {[(k, tuple(v.shape), v.dtype) for k, v in got.items()]}")
+                entry.layers[i] = t
+                if st is not None:
+                    entry.raw_bytes += st.raw_bytes
+                    entry.wire_bytes += st.wire_bytes
+            entry.t_done = time.time()
+            entry.done = True
+            self._arrived.set()
+            ep.close()
+        except Exception as e:  # noqa: BLE001 - PeerError, TransferTimeout, ChecksumError, ProtocolError, ...
+            if entry is not None:
+                entry.error = f"{type(e).__name__}: {e}"
+                self._arrived.set()
+            logger.warning("UzipConnector: receiving KV failed: %s: %s", type(e).__name__, e)
+            try:
+                ep.abort()
+            except Exception:  # noqa: BLE001
+                pass
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        """Registers this step's new loads; they complete in get_transfer_results."""
+        if self._producer or not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, UzipConnectorMetadata):
+            return
+        now = time.monotonic()
+        for spec in meta.loads:
+            self._pending[spec.req_id] = (spec, now + self._cfg.load_timeout_s)
+            self._stats.note(spec.xfer_id, t_load_requested=time.time())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads are asynchronous and complete before the request is scheduled: nothing to wait for."""
+        return
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        res = self.get_transfer_results(finished_req_ids)
+        return None, res.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Each step: writes complete transfers into the paged cache; a failed, refused or
+        overdue one is reported in failed_recving, and vLLM applies kv_load_failure_policy
+        (recompute or fail). A partial transfer is never written."""
+        res = KVConnectorTransferResults()
+        if self._producer or not self._pending:
+            self._gc()
+            return res
+        # While loads are pending the engine may step without a forward in a tight loop,
+        # holding the GIL the receiver threads need: give them a millisecond.
+        self._arrived.wait(0.001)
+        self._arrived.clear()
+        now = time.monotonic()
+        for req_id, (spec, deadline) in list(self._pending.items()):
+            with self._incoming_lock:
+                entry = self._incoming.get(spec.xfer_id)
+            error = None
+            if entry is not None and entry.error:
+                error = entry.error
+            elif entry is not None and entry.done:
+                try:
+                    self._inject(spec, entry)
+                except Exception as e:  # noqa: BLE001
+                    error = f"inject: {e}"
+            elif now > deadline:
+                error = f"no complete KV within {self._cfg.load_timeout_s:.0f} s"
+            else:
+                continue
+            del self._pending[req_id]
+            with self._incoming_lock:
+                self._incoming.pop(spec.xfer_id, None)
+            res.finished_recving.add(req_id)
+            t = time.time()
+            if error:
+                res.failed_recving.add(req_id)
+                logger.warning("UzipConnector: KV load for %s failed (%s); vLLM's kv_load_failure_policy applies",
+                               req_id, error)
+                self._stats.note(spec.xfer_id, t_load_failed=t, error=error[:300])
+                self._stats.add(loads_failed=1)
+            else:
+                self._stats.note(spec.xfer_id, t_recv_begin=entry.t_begin, t_recv_done=entry.t_done, t_injected=t,
+                                 raw_bytes=entry.raw_bytes, wire_bytes=entry.wire_bytes)
+                self._stats.add(loads_ok=1, tokens_loaded=spec.num_tokens - spec.first_pos * self._block_size,
+                                recv_raw_bytes=entry.raw_bytes, recv_wire_bytes=entry.wire_bytes)
+        self._gc()
+        return res
+
+    def _inject(self, spec: LoadSpec, entry: _Incoming) -> None:
+        h = entry.hello
+        if h.num_tokens != spec.num_tokens:
+            raise ValueError(f"prefill sent KV of {h.num_tokens} tokens, decode expects {spec.num_tokens} "
+                             f"(different tokenization?)")
+        if len(spec.block_ids) != h.num_blocks:
+            raise ValueError(f"{h.num_blocks} blocks sent, {len(spec.block_ids)} allocated")
+        if spec.first_pos >= len(spec.block_ids):
+            return
+        dst = torch.tensor(spec.block_ids[spec.first_pos:], dtype=torch.long)
+        for i, name in enumerate(self._layer_names):
+            kv = self._kv[name]
+            kv.index_copy_(0, dst.to(kv.device), entry.layers[i][spec.first_pos:].to(kv.device))
+
+    def _gc(self) -> None:
+        """Drops received transfers nobody claimed (the decode request never came)."""
+        if not self._incoming:
+            return
+        cutoff = time.time() - 2 * self._cfg.load_timeout_s
+        claimed = {spec.xfer_id for spec, _ in self._pending.values()}
+        with self._incoming_lock:
+            for xfer, entry in list(self._incoming.items()):
+                if xfer not in claimed and (entry.t_done or entry.t_begin) < cutoff:
+                    del self._incoming[xfer]
+                    self._stats.add(unclaimed_dropped=1)
+
+    def shutdown(self):
+        self._closed = True
+        if self._listener is not None:
+            self._listener.close()
+        if self._sender is not None:
+            self._sender.shutdown(wait=False, cancel_futures=True)
+        if self._stats is not None:
+            self._stats.flush()
+
+
+def register() -> None:
+    """Adds `UzipConnector` to vLLM's KV connector factory (lazy: the module loads on use)."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    if CONNECTOR_NAME not in KVConnectorFactory._registry:
+        KVConnectorFactory.register_connector(CONNECTOR_NAME, "uzip_vllm.kv_connector", "UzipConnector")
