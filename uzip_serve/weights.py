@@ -272,6 +272,13 @@ class WeightReceiver:
         self._watch_after = max(self._watch_after, resp.committed_version)
         return resp
 
+    def _receive_device(self):
+        """Where a transfer lands: the targets' GPU when they all sit on one (CUDA end to end,
+        no staging in host memory), else host memory (the cast to the targets comes after)."""
+        devices = {t.device for t in self._tensors.values() if t.device.type != "meta"}
+        dev = next(iter(devices)) if len(devices) == 1 else None
+        return dev if dev is not None and dev.type == "cuda" else None
+
     def _device_kind(self) -> str:
         kind = next((t.device.type for t in self._tensors.values()), "cpu")
         return "cpu" if kind == "meta" else kind  # meta placeholders stage in host memory
@@ -356,7 +363,7 @@ class WeightReceiver:
                     host, port = hop.p2p_address.rsplit(":", 1)
                     children.append(await p2p.connect(host, int(port), self._config))
                     await children[-1].send_bytes(raw_envelope)
-            got = await ep.recv_tensors(forward=children)
+            got = await ep.recv_tensors(forward=children, device=self._receive_device())
             wire = ep.last_stats.wire_bytes
             staged = self._check_and_cast(got)
             with self._lock:
