@@ -272,7 +272,8 @@ def orchestrate(a) -> int:
     if a.device == "cuda":
         worlds_req = None if a.gpus == "auto" else [int(g) for g in a.gpus.split(",")]
         have = mg.require_gpus(max(worlds_req or [2]), "benchmarks.allreduce_gpu")
-        worlds = worlds_req or [w for w in (2, 4, 8) if w <= have] + ([have] if have not in (2, 4, 8) else [])
+        # largest first: a many-GPU machine is the scarce one, smaller worlds can run elsewhere later
+        worlds = worlds_req or ([have] if have not in (2, 4, 8) else []) + [w for w in (8, 4, 2) if w <= have]
         links = a.links.split(",") if a.links else ["nvlink", "sockets"]
     else:
         worlds = [2, 3] if a.gpus == "auto" else [int(g) for g in a.gpus.split(",")]
