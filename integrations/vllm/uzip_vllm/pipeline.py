@@ -256,6 +256,11 @@ def install_on_pp_group(cfg: dict | None = None) -> bool:
     the stages exchange listener addresses and connect). Returns whether the patch is in place."""
     from vllm.distributed.parallel_state import get_pp_group
 
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    # `collective_rpc("uzip_pipeline_counters")`: the server's /uzip/pipeline route, or vLLM's dev-mode
+    # /collective_rpc route. On every worker with the plugin on (all zeros where nothing is installed).
+    WorkerBase.uzip_pipeline_counters = worker_counters
     pp = get_pp_group()
     if pp.world_size == 1 or os.environ.get("UZIP_PP", "on").lower() in ("off", "0", "never"):
         return False
@@ -277,10 +282,6 @@ def install_on_pp_group(cfg: dict | None = None) -> bool:
     pp.isend_tensor_dict = isend_tensor_dict
     pp.irecv_tensor_dict = irecv_tensor_dict
     _installed[pp.unique_name] = link
-    # `collective_rpc("uzip_pipeline_counters")` (the server, or vLLM's dev-mode /collective_rpc route).
-    from vllm.v1.worker.worker_base import WorkerBase
-
-    WorkerBase.uzip_pipeline_counters = worker_counters
     logger.info("uzip: PP send/recv of %s (stage %d of %d) goes through uzip_serve.p2p, compression %s, "
                 "chunks of %d bytes", pp.unique_name, pp.rank_in_group, pp.world_size, config.compression,
                 config.chunk_bytes)
