@@ -196,6 +196,16 @@ async def uzip_allreduce(request: Request) -> JSONResponse:
                          "workers": await engine.collective_rpc("uzip_counters")})
 
 
+@router.get("/uzip/pipeline")
+async def uzip_pipeline(request: Request) -> JSONResponse:
+    """Per worker: PP activation transfers on the uzip path (uzip_vllm.pipeline), how many compressed,
+    bytes raw and on the wire."""
+    engine = getattr(request.app.state, "uzip_engine", None)
+    if engine is None:
+        return JSONResponse({"error": "no engine"}, status_code=404)
+    return JSONResponse({"workers": await engine.collective_rpc("uzip_pipeline_counters")})
+
+
 class UzipEndpointPlugin:
     """A `vllm.endpoint_plugins` plugin; added by `plugin.register` only with `--comm-plugin uzip`."""
 
