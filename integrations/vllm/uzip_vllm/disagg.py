@@ -213,7 +213,7 @@ def start_pair(stack: ExitStack, model: str, workdir: Path, *, tp: int = 1, comp
                kv_port: int | None = None, decode_host: str = "127.0.0.1", prefill_host: str = "127.0.0.1",
                prefill_wrap: list[str] = (), decode_wrap: list[str] = (), max_model_len: int = 1024,
                extra_extra: dict | None = None, policy: str = "recompute", timeout: float = 900,
-               vllm_args: list[str] = ()) -> "Pair":
+               vllm_args: list[str] = (), env_extra: dict | None = None) -> "Pair":
     """Starts decode and prefill (concurrently) and waits for both. `*_wrap` prefixes a
     command (e.g. `ip netns exec X`). The stack stops both (their whole process groups)."""
     from uzip_vllm.demo import VLLM_ENV, free_port, spawn, wait_http
@@ -225,7 +225,8 @@ def start_pair(stack: ExitStack, model: str, workdir: Path, *, tp: int = 1, comp
     stats_dir = str(workdir / "kv-stats")
     os.makedirs(stats_dir, exist_ok=True)
     extra = {"stats_dir": stats_dir, "compression": compression, **(extra_extra or {})}
-    env = {**VLLM_ENV, "VLLM_CPU_OMP_THREADS_BIND": "0|1" if tp == 2 else "0-1"}
+    env = {**VLLM_ENV, "VLLM_CPU_OMP_THREADS_BIND": "0|1" if tp == 2 else "0-1", **(env_extra or {})}
+    env = {k: v for k, v in env.items() if v is not None}  # None in env_extra: leave the variable unset
     procs = []
     urls = []
     for role, host, wrap, cfg in (
