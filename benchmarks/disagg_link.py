@@ -107,10 +107,13 @@ def _split(records: list[dict]) -> dict:
         if not all(k in p for k in ("t_compute_done", "t_send_start", "t_send_done")) or "t_injected" not in d \
                 or "t_first_token" not in r:
             continue
+        # The last layer's save marks the end of the KV's compute; wait_for_save (t_compute_done)
+        # comes later by sampling and by any GIL wait in the prefill worker (older runs lack it).
+        t_done = p.get("t_last_layer", p["t_compute_done"])
         rows.append({
             "ttft_s": r["t_first_token"] - r["t_arrival"],
-            "prefill_compute_s": p["t_compute_done"] - r["t_arrival"],
-            "kv_exposed_s": d["t_injected"] - p["t_compute_done"],
+            "prefill_compute_s": t_done - r["t_arrival"],
+            "kv_exposed_s": d["t_injected"] - t_done,
             "decode_start_s": r["t_first_token"] - d["t_injected"],
             "kv_transfer_s": p["send_active_s"],
             "kv_send_span_s": p["t_send_done"] - p["t_send_start"],
@@ -384,15 +387,16 @@ def kv_only(args) -> int:
                                                         os.environ.get("PYTHONPATH", "")])}
     runs = []
     try:
-        for rate in args.rates:
+        for k, rate in enumerate(args.rates):
             set_rate(rate)
+            port = args.kv_port + k  # a fresh port: the last receiver's may linger
             recv = subprocess.Popen(["ip", "netns", "exec", NS["dc"], sys.executable, "-m", "benchmarks.disagg_link",
-                                     "--kv-only-role", "recv", "--kv-port", str(args.kv_port)],
+                                     "--kv-only-role", "recv", "--kv-port", str(port)],
                                     stdout=subprocess.PIPE, text=True, cwd=str(REPO), env=env, start_new_session=True)
             try:
                 assert recv.stdout.readline().strip() == "READY"
                 r = subprocess.run(["ip", "netns", "exec", NS["pf"], sys.executable, "-m", "benchmarks.disagg_link",
-                                    "--kv-only-role", "send", "--kv-port", str(args.kv_port), "--input-lens",
+                                    "--kv-only-role", "send", "--kv-port", str(port), "--input-lens",
                                     ",".join(map(str, args.input_lens)), "--repeats", str(args.repeats)],
                                    capture_output=True, text=True, cwd=str(REPO), env=env, timeout=1200)
                 line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]

@@ -509,6 +509,9 @@ class UzipConnector(KVConnectorBase_V1):
                 self._sender.submit(self._send_one, out)
             ids = torch.tensor(spec.block_ids, dtype=torch.long, device=layer.device)
             out.q.put((idx, layer.index_select(0, ids).cpu()))
+            if idx == len(self._layer_names) - 1:
+                # The last layer's KV exists: the prompt's compute, as far as the transfer is concerned.
+                self._stats.note(spec.xfer_id, t_last_layer=time.time())
 
     def wait_for_save(self):
         """No wait: the blocks were copied in save_kv_layer. Marks the end of the transfers'
