@@ -246,7 +246,7 @@ def plot(result: dict, path: Path) -> None:
                                     ("decode_start_s", "#1f77b4")):
                     vals = [r[mode][part] for r in table]
                     ax.bar(xs, vals, w, bottom=bottom, color=color, alpha=1.0 if mode == "on" else 0.55,
-                           label=f"{part.replace('_s', '')}" if mode == "on" else None, edgecolor="black")
+                           label=part.removesuffix('_s') if mode == "on" else None, edgecolor="black")
                     bottom = [b + v for b, v in zip(bottom, vals)]
                 for xi, b in zip(xs, bottom):
                     ax.text(xi, b, "raw" if mode == "off" else "uzip", ha="center", va="bottom", fontsize=7)
