@@ -251,8 +251,9 @@ class _Stats:
     def note(self, xfer_id: str, **fields: Any) -> None:
         with self._lock:
             self.xfers.setdefault(xfer_id, {}).update(fields)
-            while len(self.xfers) > 2000:
+            while len(self.xfers) > 500:
                 self.xfers.pop(next(iter(self.xfers)))
+        self.flush()
 
     def flush(self, force: bool = True) -> None:
         if not self._path:
