@@ -49,7 +49,9 @@ class TransferStats:
     chunks: int = 0
     chunks_compressed: int = 0
     seconds: float = 0.0
-    path: str = "ucx"  # which data path carried it: "ucx", or "cuda_ipc" (same host, CUDA on both sides)
+    # Which data path carried it: "ucx" (the chunk stream), "ucx_cuda" (UCX moved the CUDA
+    # tensors GPU to GPU, same host) or "cuda_ipc" (our IPC handles, same host).
+    path: str = "ucx"
     decisions: list[Decision] = dataclasses.field(default_factory=list)
 
     @property

@@ -11,9 +11,10 @@ Compression = Literal["auto", "on", "off"]
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TransportConfig:
-    # UCX transports (UCX_TLS). "tcp" works between any two hosts; add "cuda_copy,cuda_ipc"
-    # for GPU buffers. Set before UCX starts in this process.
-    ucx_tls: str = "tcp"
+    # UCX transports (UCX_TLS), set when UCX starts in this process. "auto": "tcp", plus
+    # "cuda_copy,cuda_ipc" where this process sees a CUDA device, so that UCX can move GPU
+    # memory itself (the CUDA route below). "tcp" works between any two hosts.
+    ucx_tls: str = "auto"
     # ucxx progress mode. "blocking" drives UCX from the event loop when the socket is
     # readable: measured 3-5x faster than the default "thread" mode on a 2-core host,
     # where a busy-polling progress thread competes with the codec for the cores.
@@ -34,11 +35,16 @@ class TransportConfig:
     max_tensors: int = 1 << 20
     # CUDA tensors between processes of one host: "auto" offers the CUDA IPC path (the peer
     # maps this process's GPU memory and copies at device speed; it refuses, and UCX carries
-    # the transfer, on another host or without CUDA); "off" always uses UCX. docs/gpu_p2p.md.
+    # the transfer, on another host or without CUDA); "off" never offers it. docs/gpu_p2p.md.
     cuda_ipc: Literal["auto", "off"] = "auto"
-    # Verify raw CUDA IPC transfers with a 64-bit digest computed on both sides. Off by
-    # default: the bytes never leave ECC-protected GPU memory, and the two extra reads
-    # cost about a third of the copy's speed on one GPU (measured, docs/gpu_p2p.md).
+    # CUDA tensors into CUDA destinations: "auto" offers the CUDA route first (UCX moves
+    # each tensor straight between the GPUs, through its cuda_ipc transport on one host;
+    # needs the CUDA transports in UCX_TLS on both sides); the receiver refuses it for
+    # host destinations, and the IPC offer or the chunk stream follows. docs/gpu_p2p.md.
+    cuda_ucx: Literal["auto", "off"] = "auto"
+    # Verify raw GPU-to-GPU transfers (CUDA route and CUDA IPC) with a 64-bit digest computed
+    # on both sides. Off by default: the bytes never leave ECC-protected GPU memory, and the
+    # two extra reads cost about a third of the copy's speed on one GPU (docs/gpu_p2p.md).
     # Compressed chunks are always verified (each frame carries its CRCs).
     ipc_checksum: bool = False
     # Chunk size of compressed CUDA IPC transfers: the GPU codec needs large calls.
@@ -53,6 +59,8 @@ class TransportConfig:
             raise ValueError("deadline_s must be positive")
         if self.cuda_ipc not in ("auto", "off"):
             raise ValueError(f"cuda_ipc must be 'auto' or 'off', got {self.cuda_ipc!r}")
+        if self.cuda_ucx not in ("auto", "off"):
+            raise ValueError(f"cuda_ucx must be 'auto' or 'off', got {self.cuda_ucx!r}")
         if self.ipc_chunk_bytes < 4096 or self.ipc_chunk_bytes % 64:
             raise ValueError(f"ipc_chunk_bytes must be a multiple of 64 and >= 4096, got {self.ipc_chunk_bytes}")
 
@@ -72,6 +80,8 @@ class TransportConfig:
             env["deadline_s"] = float(os.environ["UZIP_P2P_DEADLINE_S"])
         if "UZIP_P2P_CUDA_IPC" in os.environ:
             env["cuda_ipc"] = os.environ["UZIP_P2P_CUDA_IPC"]
+        if "UZIP_P2P_CUDA_UCX" in os.environ:
+            env["cuda_ucx"] = os.environ["UZIP_P2P_CUDA_UCX"]
         if "UZIP_P2P_IPC_CHECKSUM" in os.environ:
             env["ipc_checksum"] = os.environ["UZIP_P2P_IPC_CHECKSUM"].lower() in ("1", "true", "on", "yes")
         return cls(**{**env, **overrides})

@@ -69,6 +69,15 @@ def _stream_for(stream, dev: int):
 
 # ---- sender -------------------------------------------------------------------------------
 
+def wants_chunks(policy: AdaptivePolicy, gpu_codec, total: int, config) -> bool:
+    """Whether a GPU-to-GPU transfer should go compressed, in chunks: only where compression
+    could pay, i.e. forced on, or a link the policy measured slower than the GPU codec (e.g.
+    two GPUs without peer access). On one GPU or NVLink the copy outruns the codec and the
+    whole transfer goes raw in one step (CUDA route or IPC whole mode)."""
+    chunk_bytes = max(config.chunk_bytes, config.ipc_chunk_bytes)
+    return gpu_codec is not None and (policy.mode == "on" or policy.needs_probe(min(total, chunk_bytes)))
+
+
 async def send(channel, items, entries, flats, *, config, policy: AdaptivePolicy, exporter: cuda_ipc.Exporter,
                stream, executor) -> TransferStats | None:
     """Offers the transfer over CUDA IPC. Returns its stats, or None if the peer refused
@@ -80,10 +89,7 @@ async def send(channel, items, entries, flats, *, config, policy: AdaptivePolicy
     total = sum(e.nbytes for e in entries)
     gpu = split._gpu_codec()
     chunk_bytes = max(config.chunk_bytes, config.ipc_chunk_bytes)
-    # Compressed chunks only where compression could pay: forced on, or a link the policy
-    # measured slower than the GPU codec (e.g. two GPUs without peer access). On one GPU
-    # or NVLink the copy outruns the codec and the whole transfer goes raw in one step.
-    chunked = gpu is not None and (policy.mode == "on" or policy.needs_probe(min(total, chunk_bytes)))
+    chunked = wants_chunks(policy, gpu, total, config)
 
     storages, where, descs = [], {}, []
     with torch.cuda.device(dev):

@@ -26,11 +26,15 @@ PROTOCOL_VERSION = 1
 
 MSG_TENSORS = 1  # a transfer of named tensors follows
 
-# Transfer flags. FLAG_CUDA_IPC: the sender offers the intra-node CUDA IPC path; an
-# IPC offer (below) follows the manifest, and the receiver answers it with an ACK-sized
-# reply before anything else (docs/gpu_p2p.md).
+# Transfer flags (docs/gpu_p2p.md). Each offers a GPU route that the receiver answers with
+# an ACK-sized reply before anything else; ACK_IPC_REFUSED moves on to the next step.
+# FLAG_CUDA_UCX: a CUDA route offer (below) follows the manifest; on ACK_OK every tensor
+#   travels as UCX messages straight from the sender's GPU memory into the receiver's.
+# FLAG_CUDA_IPC: an IPC offer (below) follows (after the refused CUDA route offer, if both).
+# Neither accepted: the ordinary chunk stream.
 FLAG_CUDA_IPC = 1
-KNOWN_FLAGS = FLAG_CUDA_IPC
+FLAG_CUDA_UCX = 2
+KNOWN_FLAGS = FLAG_CUDA_IPC | FLAG_CUDA_UCX
 
 # magic, version, msg type, flags, manifest bytes, chunks, chunk bytes, transfer id
 TRANSFER_HEADER = struct.Struct("<4sHHIIIQQ")
@@ -43,9 +47,12 @@ ACK = struct.Struct("<II")
 ACK_OK = 0
 ACK_CHECKSUM = 1  # a chunk failed its checksum or did not decode
 ACK_PROTOCOL = 2  # the transfer broke the protocol or did not fit the destination
-# Reply to an IPC offer only: this receiver cannot map the sender's memory (another host,
-# no CUDA, IPC blocked); the sender goes on with the ordinary chunk stream.
+# Reply to a route offer (IPC or CUDA route) only: this receiver will not take that route
+# (another host, no CUDA, a host destination...); the sender goes on with the next step.
+# The reply's second field is ACK_REFUSED_FOR_GOOD when no later transfer of this endpoint
+# can take that route either, so the sender stops offering it.
 ACK_IPC_REFUSED = 3
+ACK_REFUSED_FOR_GOOD = 1
 
 CODEC_RAW = 0  # payload is the raw bytes
 CODEC_UZIP = 1  # payload is one uzip frame (docs/format.md) of the chunk, checksummed inside
@@ -351,3 +358,77 @@ class IpcOffer:
                 raise ProtocolError(f"IPC offer: invalid chunk size {chunk_bytes}")
         return cls(mode, host_id, device_id, pid, event_handle, tuple(storages), tuple(tensors),
                    bool(flags & IPC_HAS_CHECKSUMS), staging, slots, slot_bytes, chunk_bytes)
+
+
+# ---- the UCX CUDA route (FLAG_CUDA_UCX transfers; docs/gpu_p2p.md) ---------------------------
+#
+# One message after the manifest: the fixed head, then one u64 digest per manifest entry
+# (zeros unless the checksum flag is set), so its size follows from the manifest. On ACK_OK
+# the payload is UCX messages in the order of plan_cuda_messages, then the final ACK.
+
+CUDA_ROUTE_MAGIC = b"UZC1"
+CUDA_ROUTE_HAS_CHECKSUMS = 1
+# magic, flags, sender's host id (cuda_ipc.host_id: the route is offered within one host)
+CUDA_ROUTE_HEAD = struct.Struct("<4sI16s")
+_DIGEST = struct.Struct("<Q")
+# Tensors of at least this many bytes travel alone, straight from and into their memory.
+# Smaller ones are packed back to back (manifest order) into batches of at most
+# CUDA_BATCH_BYTES: every UCX message costs a rendezvous round trip, a GPU gather does not.
+CUDA_BATCH_BELOW = 1 << 20
+CUDA_BATCH_BYTES = 16 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class CudaRouteOffer:
+    host_id: bytes
+    digests: tuple[int, ...] | None  # per manifest entry (cuda_ipc.digest), or None: not verified
+
+    @staticmethod
+    def nbytes(num_entries: int) -> int:
+        return CUDA_ROUTE_HEAD.size + _DIGEST.size * num_entries
+
+    def pack(self, num_entries: int) -> bytes:
+        digests = self.digests if self.digests is not None else (0,) * num_entries
+        if len(digests) != num_entries:
+            raise ValueError(f"{len(digests)} digests for {num_entries} tensors")
+        flags = CUDA_ROUTE_HAS_CHECKSUMS if self.digests is not None else 0
+        return CUDA_ROUTE_HEAD.pack(CUDA_ROUTE_MAGIC, flags, self.host_id) + b"".join(
+            _DIGEST.pack(d) for d in digests)
+
+    @classmethod
+    def unpack(cls, buf, num_entries: int) -> "CudaRouteOffer":
+        mv = memoryview(buf).cast("B")
+        if len(mv) != cls.nbytes(num_entries):
+            raise ProtocolError(f"CUDA route offer of {len(mv)} bytes for {num_entries} tensors")
+        magic, flags, host_id = CUDA_ROUTE_HEAD.unpack_from(mv, 0)
+        if magic != CUDA_ROUTE_MAGIC:
+            raise ProtocolError(f"not a CUDA route offer (magic {magic!r})")
+        if flags & ~CUDA_ROUTE_HAS_CHECKSUMS:
+            raise ProtocolError(f"unknown CUDA route offer flags 0x{flags:x}")
+        digests = None
+        if flags & CUDA_ROUTE_HAS_CHECKSUMS:
+            digests = tuple(_DIGEST.unpack_from(mv, CUDA_ROUTE_HEAD.size + _DIGEST.size * i)[0]
+                            for i in range(num_entries))
+        return cls(host_id, digests)
+
+
+def plan_cuda_messages(entries: Sequence[TensorEntry]) -> list[tuple[int, ...]]:
+    """The UCX messages of a CUDA route transfer, as tuples of manifest indices (one index:
+    that tensor's bytes; several: their bytes back to back). Sender and receiver both call it."""
+    messages: list[tuple[int, ...]] = []
+    batch: list[int] = []
+    size = 0
+    for i, e in enumerate(entries):
+        if e.nbytes == 0:
+            continue
+        if e.nbytes >= CUDA_BATCH_BELOW:
+            messages.append((i,))
+            continue
+        if batch and size + e.nbytes > CUDA_BATCH_BYTES:
+            messages.append(tuple(batch))
+            batch, size = [], 0
+        batch.append(i)
+        size += e.nbytes
+    if batch:
+        messages.append(tuple(batch))
+    return messages

@@ -125,12 +125,14 @@ class _Encoded:
 
 async def send_tensors(channel: Channel, tensors, *, config: TransportConfig, policy: AdaptivePolicy,
                        executor: Executor, transfer_id: int = 0, ipc=None, ipc_policy: AdaptivePolicy | None = None,
-                       stream=None) -> TransferStats:
+                       stream=None, cuda_route=None) -> TransferStats:
     """Sends named tensors as one transfer. Returns when the peer verified all of it.
 
-    `ipc` (a cuda_ipc.Exporter) lets CUDA tensors take the intra-node CUDA IPC path when
-    the peer can map them (same host, CUDA there); `ipc_policy` is that path's own
-    adaptive policy, `stream` the caller's CUDA stream (its pending writes are waited for).
+    GPU routes for tensors on one GPU, offered in this order (docs/gpu_p2p.md):
+    `cuda_route` (a ucx_cuda.Route, where this process's UCX carries CUDA memory): UCX moves
+    the tensors GPU to GPU; `ipc` (a cuda_ipc.Exporter): the peer maps them through CUDA IPC
+    handles. Both need the peer on this host. `ipc_policy` is their adaptive policy, `stream`
+    the caller's CUDA stream (its pending writes are waited for).
     """
     loop = asyncio.get_running_loop()
     items = named_items(tensors)
@@ -173,11 +175,25 @@ async def send_tensors(channel: Channel, tensors, *, config: TransportConfig, po
         return _Encoded(header, _host_view(data), decision)
 
     t_start = time.perf_counter()
-    use_ipc = _ipc_eligible(items, config, ipc)
-    flags = proto.FLAG_CUDA_IPC if use_ipc else 0
+    on_one_gpu = _on_one_gpu(items)
+    use_ipc = on_one_gpu and ipc is not None and not ipc.refused and config.cuda_ipc != "off"
+    # The CUDA route carries raw bytes only: where compression could pay, the IPC path's
+    # chunked mode (GPU codec) does the transfer.
+    use_route = on_one_gpu and cuda_route is not None and not cuda_route.refused and not _gpu_chunks(
+        ipc_policy or policy, gpu_codec, stats.raw_bytes, config)
+    flags = (proto.FLAG_CUDA_IPC if use_ipc else 0) | (proto.FLAG_CUDA_UCX if use_route else 0)
     await channel.send(proto.TransferHeader(len(manifest), len(chunks), config.chunk_bytes, transfer_id, flags).pack())
     if manifest:
         await channel.send(manifest)
+    if use_route:
+        from uzip_serve.p2p import ucx_cuda
+
+        done = await ucx_cuda.send(channel, entries, flats, config=config, policy=ipc_policy or policy,
+                                   route=cuda_route, stream=stream)
+        if done is not None:
+            done.seconds = time.perf_counter() - t_start
+            return done
+        # refused (a host destination, say): the IPC offer or the chunk stream follows
     if use_ipc:
         from uzip_serve.p2p import ipc_send
 
@@ -215,12 +231,16 @@ async def send_tensors(channel: Channel, tensors, *, config: TransportConfig, po
     return stats
 
 
-def _ipc_eligible(items, config: TransportConfig, ipc) -> bool:
-    """CUDA IPC is offered for a transfer whose non-empty tensors all sit on one GPU."""
-    if ipc is None or ipc.refused or config.cuda_ipc == "off":
-        return False
+def _on_one_gpu(items) -> bool:
+    """GPU routes are offered for a transfer whose non-empty tensors all sit on one GPU."""
     devices = {t.device for _, t in items if t.numel()}
     return len(devices) == 1 and next(iter(devices)).type == "cuda"
+
+
+def _gpu_chunks(policy, gpu_codec, total, config) -> bool:
+    from uzip_serve.p2p import ipc_send
+
+    return ipc_send.wants_chunks(policy, gpu_codec, total, config)
 
 
 async def _send_chunk(channel: Channel, enc: _Encoded, policy: AdaptivePolicy, stats: TransferStats) -> None:
@@ -250,7 +270,7 @@ def _check_into(into: Mapping[str, torch.Tensor], entries: list[proto.TensorEntr
 async def recv_tensors(channel: Channel, *, config: TransportConfig, executor: Executor,
                        into: Mapping[str, torch.Tensor] | None = None,
                        forward: Sequence[Channel] = (), ipc=None, stream=None,
-                       device=None) -> tuple[dict[str, torch.Tensor], TransferStats]:
+                       device=None, cuda_route=None) -> tuple[dict[str, torch.Tensor], TransferStats]:
     """Receives one transfer. Tensors are returned only once every chunk arrived and
     passed its checksum; on any failure nothing is returned (an `into` tensor may then
     hold partial data) and the sender is told why, where the connection still allows.
@@ -261,11 +281,13 @@ async def recv_tensors(channel: Channel, *, config: TransportConfig, executor: E
     once the relayed peers acknowledged too.
 
     `device`: where new tensors are allocated when `into` is not given (default: CPU).
-    `ipc` (a cuda_ipc.Importer) accepts the sender's CUDA IPC offer; the copies then run
-    on `stream` (default: the device's current stream)."""
+    `cuda_route` (a ucx_cuda.Route, where this process's UCX carries CUDA memory) accepts
+    the sender's CUDA route into CUDA destinations; `ipc` (a cuda_ipc.Importer) its CUDA IPC
+    offer. Both order their work after `stream`'s (default: the device's current stream)."""
     relay = _Relay(forward)
     try:
-        result = await _recv_tensors(channel, config, executor, into, relay, ipc=ipc, stream=stream, device=device)
+        result = await _recv_tensors(channel, config, executor, into, relay, ipc=ipc, stream=stream, device=device,
+                                     cuda_route=cuda_route)
     except (ChecksumError, ProtocolError) as e:
         status = proto.ACK_CHECKSUM if isinstance(e, ChecksumError) else proto.ACK_PROTOCOL
         try:
@@ -308,15 +330,17 @@ class _Relay:
                 raise ChecksumError(f"a relayed peer rejected the transfer (status {status})")
 
 
-async def _recv_tensors(channel, config, executor, into, relay: _Relay, ipc=None, stream=None, device=None):
+async def _recv_tensors(channel, config, executor, into, relay: _Relay, ipc=None, stream=None, device=None,
+                        cuda_route=None):
     loop = asyncio.get_running_loop()
     t_start = time.perf_counter()
     head = bytearray(proto.TRANSFER_HEADER.size)
     await channel.recv(head)
     header = proto.TransferHeader.unpack(head, max_manifest_bytes=config.max_manifest_bytes)
-    if header.flags & proto.FLAG_CUDA_IPC and relay.channels:
-        # Downstream peers get the chunk stream this receiver asks for, never the offer.
-        relay.pass_on(dataclasses.replace(header, flags=header.flags & ~proto.FLAG_CUDA_IPC).pack())
+    gpu_flags = proto.FLAG_CUDA_IPC | proto.FLAG_CUDA_UCX
+    if header.flags & gpu_flags and relay.channels:
+        # Downstream peers get the chunk stream this receiver asks for, never an offer.
+        relay.pass_on(dataclasses.replace(header, flags=header.flags & ~gpu_flags).pack())
     else:
         relay.pass_on(head)
     manifest = bytearray(header.manifest_nbytes)
@@ -329,6 +353,15 @@ async def _recv_tensors(channel, config, executor, into, relay: _Relay, ipc=None
         raise ProtocolError(f"peer announced {header.num_chunks} chunks, its manifest makes {len(chunks)}")
     if into is not None:
         _check_into(into, entries)
+    if header.flags & proto.FLAG_CUDA_UCX:
+        from uzip_serve.p2p import ucx_cuda
+
+        got = await ucx_cuda.recv(channel, entries, config=config, route=cuda_route, relaying=bool(relay.channels),
+                                  into=into, stream=stream, device=device)
+        if got is not None:
+            got[1].seconds = time.perf_counter() - t_start
+            return got
+        # refused: the sender goes on with the IPC offer or the chunk stream
     if header.flags & proto.FLAG_CUDA_IPC:
         from uzip_serve.p2p import ipc_send
 

@@ -25,7 +25,7 @@ import os
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 
-from uzip_serve.p2p import cuda_ipc, split_send
+from uzip_serve.p2p import cuda_ipc, split_send, ucx_cuda
 from uzip_serve.p2p.loop import call_soon, on_ucx_loop
 from uzip_serve.p2p.adaptive import AdaptivePolicy, TransferStats
 from uzip_serve.p2p.config import TransportConfig
@@ -34,7 +34,11 @@ from uzip_serve.p2p.errors import PeerError, ProtocolError, TransferError, Trans
 logger = logging.getLogger(__name__)
 
 _started_with: TransportConfig | None = None
+_started_tls: str | None = None  # the UCX_TLS that UCX really started with
 _ids = itertools.count(1)
+# What ucx_tls="auto" asks for on a host with CUDA: UCX then moves GPU memory itself,
+# through cuda_ipc between processes of one host (docs/gpu_p2p.md).
+CUDA_TLS = "tcp,cuda_copy,cuda_ipc"
 
 
 def _ucxx():
@@ -45,9 +49,30 @@ def _ucxx():
     return ucxx
 
 
+def resolve_tls(tls: str) -> str:
+    """ucx_tls as UCX gets it: "auto" adds the CUDA transports where this process sees a GPU.
+    (UCX initialises the CUDA driver with them: a process that forks CUDA children after
+    starting UCX should set ucx_tls="tcp".)"""
+    if tls != "auto":
+        return tls
+    return CUDA_TLS if cuda_ipc.available() else "tcp"
+
+
+def carries_cuda() -> bool:
+    """Whether this process's UCX was started with the transports that move GPU memory
+    (cuda_copy to recognise it, cuda_ipc to move it between processes)."""
+    if _started_tls is None or not cuda_ipc.available():
+        return False
+    names = {t.strip() for t in _started_tls.split(",")}
+    if any(n.startswith("^") for n in names):  # an exclusion list: everything else is in
+        excluded = {n.lstrip("^") for n in names}
+        return not excluded & {"cuda", "cuda_copy", "cuda_ipc"}
+    return bool(names & {"all", "cuda"}) or {"cuda_copy", "cuda_ipc"} <= names
+
+
 def start_ucx(config: TransportConfig) -> None:
     """Starts UCX for this process with `config`'s transports and progress mode (once)."""
-    global _started_with
+    global _started_with, _started_tls
     if _started_with is not None:
         if (_started_with.ucx_tls, _started_with.progress_mode) != (config.ucx_tls, config.progress_mode):
             logger.warning("UCX already started with tls=%s progress=%s; ignoring tls=%s progress=%s",
@@ -61,10 +86,12 @@ def start_ucx(config: TransportConfig) -> None:
     # thread. Without that, every pending request is awaited by a yield loop: measured
     # here, an idle receive then burns ~0.9 of a core (docs/p2p.md).
     futures = config.progress_mode.startswith("thread")
-    ucxx.init(options={"TLS": config.ucx_tls}, env_takes_precedence=True, progress_mode=config.progress_mode,
+    tls = resolve_tls(config.ucx_tls)
+    ucxx.init(options={"TLS": tls}, env_takes_precedence=True, progress_mode=config.progress_mode,
               enable_python_future=futures)
     _started_with = config
-    logger.info("UCX started: tls=%s progress=%s", os.environ.get("UCX_TLS", config.ucx_tls), config.progress_mode)
+    _started_tls = os.environ.get("UCX_TLS") or tls
+    logger.info("UCX started: tls=%s progress=%s", _started_tls, config.progress_mode)
 
 
 def _translate(exc: BaseException, what: str) -> TransferError:
@@ -95,6 +122,8 @@ class Endpoint:
         self.ipc_policy = AdaptivePolicy.for_cuda_ipc(config.compression)
         self._ipc_exporter = cuda_ipc.Exporter()
         self._ipc_importer = cuda_ipc.Importer()
+        # The CUDA route needs UCX's CUDA transports in this process (the peer checks its own).
+        self._cuda_route = ucx_cuda.Route() if config.cuda_ucx != "off" and carries_cuda() else None
         self.last_stats: TransferStats | None = None
         # Codec work runs here so the event loop keeps progressing UCX meanwhile.
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="uzip-codec")
@@ -116,6 +145,29 @@ class Endpoint:
         except Exception as e:  # noqa: BLE001
             raise _translate(e, "recv") from e
 
+    async def send_many(self, bufs) -> None:
+        """Sends several messages, all posted at once (UCX pipelines them), awaited in order:
+        each must complete within deadline_s of the one before, a deadline on progress."""
+        await self._many(self._ep.send, bufs, "send")
+
+    async def recv_many(self, bufs) -> None:
+        """Receives into several buffers, in order; posted and awaited as in send_many."""
+        await self._many(self._ep.recv, bufs, "recv")
+
+    async def _many(self, op, bufs, what: str) -> None:
+        self._check_open()
+        # Tasks start in creation order, and each posts its UCX request in its first step,
+        # so the messages are matched in this order.
+        futs = [asyncio.ensure_future(op(b)) for b in bufs]
+        try:
+            for f in futs:
+                await asyncio.wait_for(asyncio.shield(f), self.config.deadline_s)
+        except Exception as e:  # noqa: BLE001 - translated into a typed error or re-raised
+            for f in futs:
+                f.cancel()
+                f.add_done_callback(_retrieve)  # no "exception never retrieved" for the rest
+            raise _translate(e, what) from e
+
     def _check_open(self) -> None:
         if self._closed:
             raise PeerError("endpoint is closed")
@@ -134,7 +186,7 @@ class Endpoint:
             self.last_stats = await split_send.send_tensors(self, tensors, config=self.config, policy=self.policy,
                                                             executor=self._executor, transfer_id=next(_ids),
                                                             ipc=self._ipc_exporter, ipc_policy=self.ipc_policy,
-                                                            stream=stream)
+                                                            stream=stream, cuda_route=self._cuda_route)
             return self.last_stats
         except TransferError:
             self.abort()
@@ -150,7 +202,8 @@ class Endpoint:
         try:
             out, self.last_stats = await split_send.recv_tensors(self, config=self.config, executor=self._executor,
                                                                  into=into, forward=forward, ipc=self._ipc_importer,
-                                                                 stream=stream, device=device)
+                                                                 stream=stream, device=device,
+                                                                 cuda_route=self._cuda_route)
             return out
         except TransferError:
             self.abort()
@@ -206,6 +259,11 @@ class Endpoint:
     @property
     def closed(self) -> bool:
         return self._closed
+
+
+def _retrieve(fut) -> None:
+    if not fut.cancelled():
+        fut.exception()
 
 
 def _abort_quietly(ucx_ep, executor) -> None:
