@@ -1,6 +1,7 @@
-"""CUDA tensors between two processes: the CUDA IPC path (uzip_serve/p2p/cuda_ipc.py,
-ipc_send.py) and its fallback to UCX. The GPU tests skip without a GPU or ucxx; the offer's
-wire format is checked everywhere.
+"""CUDA tensors between two processes: the CUDA route (UCX moves GPU memory itself,
+uzip_serve/p2p/ucx_cuda.py), the CUDA IPC path (cuda_ipc.py, ipc_send.py) and the fallbacks
+between them and to the chunk stream. The GPU tests skip without a GPU or ucxx; the offers'
+wire formats are checked everywhere.
 
 Both processes regenerate the same tensors from a seed on the GPU, so a 1 GiB check is a
 `torch.equal` on the device, not a hash on the host.
@@ -63,8 +64,34 @@ def test_ipc_offer_round_trip_and_validation():
     # the transfer header accepts the IPC flag and nothing else new
     hdr = proto.TransferHeader(10, 0, 1 << 20, 1, proto.FLAG_CUDA_IPC).pack()
     assert proto.TransferHeader.unpack(hdr, max_manifest_bytes=100).flags == proto.FLAG_CUDA_IPC
+    both = proto.FLAG_CUDA_IPC | proto.FLAG_CUDA_UCX
+    assert proto.TransferHeader.unpack(proto.TransferHeader(10, 0, 1 << 20, 1, both).pack(),
+                                       max_manifest_bytes=100).flags == both
     with pytest.raises(ProtocolError, match="flags"):
-        proto.TransferHeader.unpack(proto.TransferHeader(10, 0, 1 << 20, 1, 2).pack(), max_manifest_bytes=100)
+        proto.TransferHeader.unpack(proto.TransferHeader(10, 0, 1 << 20, 1, 4).pack(), max_manifest_bytes=100)
+
+
+def test_cuda_route_offer_and_message_plan():
+    for digests in (None, (5, 0, 2**64 - 1)):
+        offer = proto.CudaRouteOffer(b"H" * 16, digests)
+        buf = offer.pack(3)
+        assert len(buf) == proto.CudaRouteOffer.nbytes(3) and proto.CudaRouteOffer.unpack(buf, 3) == offer
+    with pytest.raises(ProtocolError, match="bytes"):  # sized for another manifest
+        proto.CudaRouteOffer.unpack(buf, 2)
+    with pytest.raises(ProtocolError, match="magic"):
+        proto.CudaRouteOffer.unpack(b"XXXX" + buf[4:], 3)
+    with pytest.raises(ProtocolError, match="flags"):
+        proto.CudaRouteOffer.unpack(buf[:4] + b"\x02\0\0\0" + buf[8:], 3)
+    # big tensors alone, in manifest order; small ones batched up to CUDA_BATCH_BYTES; empties skipped
+    big, small = proto.CUDA_BATCH_BELOW, proto.CUDA_BATCH_BELOW - 1
+    sizes = [small, 0, big, small] + [small] * 20 + [3 * big]
+    entries = [proto.TensorEntry(f"t{i}", "uint8", (n,), n) for i, n in enumerate(sizes)]
+    plan = proto.plan_cuda_messages(entries)
+    alone = [m for m in plan if sizes[m[0]] >= big]
+    batches = [m for m in plan if sizes[m[0]] < big]
+    assert alone == [(2,), (24,)] and all(len(m) > 1 for m in batches)
+    assert [i for m in batches for i in m] == [0, 3] + list(range(4, 24))
+    assert all(sum(sizes[i] for i in m) <= proto.CUDA_BATCH_BYTES for m in batches)
 
 
 # ---- two processes ------------------------------------------------------------------------
@@ -180,14 +207,18 @@ def size_rounds(where):
 
 
 @gpu
-@pytest.mark.parametrize("where", ["cuda_into", "cuda_new", "cpu_into", "cpu_new"])
-def test_cuda_ipc_bit_exact_0_to_1gib(where):
-    results = run_rounds(size_rounds(where))
-    for stats, (_, bad, path, compressed) in results:
+@pytest.mark.parametrize("where,receiver,path", [
+    ("cuda_into", {}, "ucx_cuda"), ("cuda_new", {}, "ucx_cuda"),
+    ("cpu_into", {}, "cuda_ipc"), ("cpu_new", {}, "cuda_ipc"),  # host destinations: the route is refused
+    ("cuda_into", {"cuda_ucx": "off"}, "cuda_ipc"),  # IPC whole mode, CUDA to CUDA
+])
+def test_gpu_routes_bit_exact_0_to_1gib(where, receiver, path):
+    results = run_rounds(size_rounds(where), **receiver)
+    for stats, (_, bad, got_path, compressed) in results:
         assert not bad, f"mismatch in {bad}"
-        assert path == stats.path == "cuda_ipc" or stats.raw_bytes == 0 or stats.path == "cuda_ipc"
         assert compressed == 0 and stats.chunks_compressed == 0  # auto mode: raw on this link
-    assert all(s.path == "cuda_ipc" for s, _ in results[1:])
+    # the first round is 0 bytes (no GPU route: nothing sits on a GPU)
+    assert all(s.path == p == path for s, (_, _, p, _) in results[1:]), [s.path for s, _ in results]
 
 
 @gpu
@@ -204,20 +235,25 @@ def test_cuda_ipc_compressed_chunks_bit_exact(where):
 
 
 @gpu
-def test_cuda_ipc_with_checksums_and_refusal_falls_back_to_ucx():
-    spec = [([("w", "bfloat16", 4 * MiB, 9), ("x", "uint8", 4097, 10)], "cuda_into")]
+def test_gpu_routes_with_checksums_and_refusals_fall_back():
+    spec = [([("w", "bfloat16", 4 * MiB, 9), ("x", "uint8", 4097, 10), ("y", "int64", 3, 11)], "cuda_into")]
     (stats, (_, bad, path, _)), = run_rounds(spec, dict(ipc_checksum=True), ipc_checksum=True)
+    assert not bad and stats.path == path == "ucx_cuda"
+    (stats, (_, bad, path, _)), = run_rounds(spec, dict(ipc_checksum=True), ipc_checksum=True, cuda_ucx="off")
     assert not bad and stats.path == path == "cuda_ipc"
-    # a receiver with CUDA IPC off refuses; the same transfer then goes over UCX, still exact
-    (stats, (_, bad, path, _)), (stats2, (_, bad2, _, _)) = run_rounds(spec * 2, cuda_ipc="off")
+    # a receiver whose UCX lacks the CUDA transports refuses the route for good: IPC, twice
+    results = run_rounds(spec * 2, ucx_tls="tcp")
+    assert all(not r[1] and s.path == r[2] == "cuda_ipc" for s, r in results)
+    # both GPU routes refused: the same transfer goes as the chunk stream over UCX, still exact
+    (stats, (_, bad, path, _)), (stats2, (_, bad2, _, _)) = run_rounds(spec * 2, cuda_ipc="off", cuda_ucx="off")
     assert not bad and not bad2 and stats.path == path == "ucx" and stats2.path == "ucx"
 
 
-def _looping_sender(port, deadline):
+def _looping_sender(port, deadline, route):
     from uzip_serve import p2p
 
     async def main():
-        ep = await p2p.connect("127.0.0.1", port, p2p.TransportConfig(deadline_s=deadline))
+        ep = await p2p.connect("127.0.0.1", port, p2p.TransportConfig(deadline_s=deadline, cuda_ucx=route))
         big = {"w": make("bfloat16", 512 * MiB, 1)}
         while True:
             await ep.send_tensors(big)
@@ -226,15 +262,16 @@ def _looping_sender(port, deadline):
 
 
 @gpu
-@pytest.mark.parametrize("compression", ["auto", "on"])
-def test_receiver_killed_mid_transfer_raises_on_the_sender(compression):
+@pytest.mark.parametrize("compression,route", [("auto", "auto"), ("auto", "off"), ("on", "auto")])
+def test_receiver_killed_mid_transfer_raises_on_the_sender(compression, route):
+    """auto: the CUDA route; route off: IPC whole mode; on: IPC compressed chunks."""
     from uzip_serve import p2p
 
     if compression == "on":
         pytest.importorskip("cupy")
     deadline = 3.0
     forever = [([("w", "bfloat16", 512 * MiB, 1)], "cuda_into")] * 100000
-    peer = Peer(forever, compression=compression)
+    peer = Peer(forever, compression=compression, cuda_ucx=route)
     big = {"w": make("bfloat16", 512 * MiB, 1)}
 
     async def main():
@@ -266,19 +303,20 @@ def test_receiver_killed_mid_transfer_raises_on_the_sender(compression):
 
 
 @gpu
-def test_sender_killed_mid_transfer_raises_on_the_receiver():
+@pytest.mark.parametrize("route,path", [("auto", "ucx_cuda"), ("off", "cuda_ipc")])
+def test_sender_killed_mid_transfer_raises_on_the_receiver(route, path):
     from uzip_serve import p2p
 
     deadline = 3.0
 
     async def main():
         lst = await p2p.listen(0, p2p.TransportConfig(deadline_s=deadline))
-        proc = CTX.Process(target=_looping_sender, args=(lst.port, deadline), daemon=True)
+        proc = CTX.Process(target=_looping_sender, args=(lst.port, deadline, route), daemon=True)
         proc.start()
         ep = await lst.accept(timeout=120)
         into = {"w": torch.empty(512 * MiB, dtype=torch.bfloat16, device="cuda")}
         await ep.recv_tensors(into=into)
-        assert ep.last_stats.path == "cuda_ipc"
+        assert ep.last_stats.path == path
 
         async def loop():
             while True:
