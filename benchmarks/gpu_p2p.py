@@ -1,6 +1,7 @@
-"""CUDA tensors between two processes on one GPU: uzip_serve.p2p (CUDA IPC path, raw,
-adaptive and compressed; CUDA->CPU) vs a reference CUDA IPC copy through
-torch.multiprocessing vs plain ucxx as found (issue 11; docs/gpu_p2p.md).
+"""CUDA tensors between two processes on one GPU: uzip_serve.p2p (raw and adaptive, which
+take the CUDA route; compressed, which takes the IPC path's chunked mode; the IPC path alone;
+CUDA->CPU; the chunk stream) vs a reference CUDA IPC copy through torch.multiprocessing vs
+plain ucxx as found (issue 11; docs/gpu_p2p.md).
 
     python -m benchmarks.gpu_p2p [--sizes-mib 16 256 1024] [--out docs/benchmarks]
     python -m benchmarks.gpu_p2p --diagnose --out DIR     # what UCX does: ucx_info, ucx_perftest, PROTO_INFO
@@ -36,8 +37,11 @@ def _ctx():
     return CTX
 
 
-def _reps(nbytes: int) -> int:
-    return 30 if nbytes <= 16 * MiB else 15 if nbytes <= 256 * MiB else 8
+def _reps(nbytes: int, fast: bool = False) -> int:
+    """Repetitions per size; `fast` paths (a transfer well under a millisecond) get more, so
+    that the raw vs adaptive comparison is not decided by a few noisy samples."""
+    base = 30 if nbytes <= 16 * MiB else 15 if nbytes <= 256 * MiB else 8
+    return base * 3 if fast else base
 
 
 def _src(nbytes: int):
@@ -68,7 +72,7 @@ def _warm_codec():
         print("GPU codec warm-up failed:", e, flush=True)
 
 
-def _our_receiver(q, port_q, cfg, sizes, dest):
+def _our_receiver(q, port_q, cfg, sizes, dest, reps):
     import torch
 
     from uzip_serve import p2p
@@ -85,7 +89,7 @@ def _our_receiver(q, port_q, cfg, sizes, dest):
                 into = {"w": torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")}
             else:
                 into = {"w": torch.empty(nbytes // 2, dtype=torch.bfloat16, pin_memory=True)}
-            for _ in range(_reps(nbytes) + 2):
+            for _ in range(reps[nbytes] + 2):
                 await ep.recv_tensors(into=into)
             ok = torch.equal(into["w"].cuda().view(torch.int16), _src(nbytes).view(torch.int16))
             q.put(("checked", nbytes, ok))
@@ -94,14 +98,16 @@ def _our_receiver(q, port_q, cfg, sizes, dest):
     asyncio.run(main())
 
 
-def bench_ours(sizes, compression, dest="cuda", cuda_ipc="auto"):
+def bench_ours(sizes, compression, dest="cuda", cuda_ipc="auto", cuda_ucx="auto"):
     from uzip_serve import p2p
 
-    cfg = dict(compression=compression, cuda_ipc=cuda_ipc, deadline_s=60)
+    cfg = dict(compression=compression, cuda_ipc=cuda_ipc, cuda_ucx=cuda_ucx, deadline_s=60)
     if compression != "off":
         _warm_codec()
+    fast = compression != "on" and dest == "cuda" and "auto" in (cuda_ipc, cuda_ucx)
+    reps = {n: _reps(n, fast) for n in sizes}
     q, port_q = _ctx().Queue(), _ctx().Queue()
-    proc = _ctx().Process(target=_our_receiver, args=(q, port_q, cfg, sizes, dest), daemon=True)
+    proc = _ctx().Process(target=_our_receiver, args=(q, port_q, cfg, sizes, dest, reps), daemon=True)
     proc.start()
     out = {}
     try:
@@ -112,7 +118,7 @@ def bench_ours(sizes, compression, dest="cuda", cuda_ipc="auto"):
             for nbytes in sizes:
                 src = {"w": _src(nbytes)}
                 times, stats = [], None
-                for i in range(_reps(nbytes) + 2):
+                for i in range(reps[nbytes] + 2):
                     t0 = time.perf_counter()
                     stats = await ep.send_tensors(src)
                     if i >= 2:  # two warm-ups: mapping opened, staging allocated, codec compiled
@@ -424,15 +430,16 @@ def main():
         (out / "gpu_p2p_diag.json").write_text(json.dumps(results, indent=1, default=str))
         return
     runs = [
-        ("ours raw (cuda_ipc)", lambda: bench_ours(sizes, "off")),
+        ("ours raw", lambda: bench_ours(sizes, "off")),
         ("ours adaptive", lambda: bench_ours(sizes, "auto")),
         ("ours compressed", lambda: bench_ours(sizes, "on")),
+        ("ours raw, IPC handles (CUDA route off)", lambda: bench_ours(sizes, "off", cuda_ucx="off")),
         ("ours raw, CUDA->CPU (pinned)", lambda: bench_ours(sizes, "off", dest="cpu")),
         ("reference torch.mp IPC + copy_", lambda: bench_reference(sizes)),
         ("plain ucxx as found (thread mode)", lambda: _run_child_capture(
             [sys.executable, "-m", "benchmarks.gpu_p2p", "--plain-child", "default", "--sizes-mib",
              *[str(s // MiB) for s in sizes]], out / "plain_ucxx_default.log", timeout=300)),
-        ("ours over UCX (cuda_ipc off)", lambda: bench_ours(sizes, "off", cuda_ipc="off")),
+        ("ours chunk stream (GPU routes off)", lambda: bench_ours(sizes, "off", cuda_ipc="off", cuda_ucx="off")),
     ]
     for name, fn in runs:
         if any(s in name for s in args.skip):
@@ -446,6 +453,8 @@ def main():
 
             traceback.print_exc()
             results[name] = {"error": f"{type(e).__name__}: {e}"}
+        # written after every method: a run stopped at the device call's limit keeps what it measured
+        (out / "gpu_p2p.json").write_text(json.dumps(results, indent=1, default=str))
     ref = results.get("reference torch.mp IPC + copy_", {})
     print("\n| method | " + " | ".join(f"{s // MiB} MiB" for s in sizes) + " |")
     print("|---|" + "---|" * len(sizes))
@@ -455,12 +464,15 @@ def main():
         print(f"| {name} | " + " | ".join(f"{v[s]['gbps']:.1f}" for s in sizes) + " |")
     if all(s in ref for s in sizes):
         print(f"| reference copy_() alone | " + " | ".join(f"{ref[s]['copy_only_gbps']:.1f}" for s in sizes) + " |")
-        for name in ("ours raw (cuda_ipc)", "ours adaptive"):
+        for name in ("ours raw", "ours adaptive", "ours raw, IPC handles (CUDA route off)"):
             v = results.get(name, {})
             if all(s in v for s in sizes):
                 print(f"{name} / reference: " + ", ".join(
                     f"{s // MiB} MiB {v[s]['gbps'] / ref[s]['gbps']:.2f}x e2e, "
                     f"{v[s]['gbps'] / ref[s]['copy_only_gbps']:.2f}x copy-only" for s in sizes))
+    raw, ada = results.get("ours raw", {}), results.get("ours adaptive", {})
+    if all(s in raw and s in ada for s in sizes):
+        print("adaptive / raw: " + ", ".join(f"{s // MiB} MiB {ada[s]['gbps'] / raw[s]['gbps']:.3f}" for s in sizes))
     (out / "gpu_p2p.json").write_text(json.dumps(results, indent=1, default=str))
     try:
         plot(results, sizes, out / "gpu_p2p.png")
