@@ -94,6 +94,22 @@ def test_cuda_route_offer_and_message_plan():
     assert all(sum(sizes[i] for i in m) <= proto.CUDA_BATCH_BYTES for m in batches)
 
 
+def test_count_chunks_matches_the_plan():
+    """GPU routes send the chunk count without building the plan; it must be the plan's."""
+    import random
+
+    rng = random.Random(1)
+    for _ in range(500):
+        chunk_bytes = rng.choice([4096, 1 << 16, 1 << 20])
+        entries = []
+        for i in range(rng.randint(0, 30)):
+            dt, isz = rng.choice([("bfloat16", 2), ("float32", 4), ("uint8", 1), ("int64", 8)])
+            n = rng.choice([0, 1, 3, chunk_bytes // 4 // isz, chunk_bytes // isz, 3 * chunk_bytes // isz + 1,
+                            rng.randint(0, 5 * chunk_bytes // isz)])
+            entries.append(proto.TensorEntry(f"t{i}", dt, (n,), n * isz))
+        assert proto.count_chunks(entries, chunk_bytes) == len(proto.plan_chunks(entries, chunk_bytes))
+
+
 # ---- two processes ------------------------------------------------------------------------
 
 def make(dtype: str, numel: int, seed: int, device="cuda"):

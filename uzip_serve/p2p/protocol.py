@@ -228,6 +228,31 @@ def plan_chunks(entries: Sequence[TensorEntry], chunk_bytes: int) -> list[Chunk]
     return chunks
 
 
+def count_chunks(entries: Sequence[TensorEntry], chunk_bytes: int) -> int:
+    """len(plan_chunks(entries, chunk_bytes)) without building the plan: the header needs
+    the count, but a transfer that takes a GPU route never needs the plan, and building it
+    costs ~3 us a chunk in Python (0.1-0.4 ms for 1 GiB, on each side, per transfer)."""
+    count = 0
+    small: dict[str, list[int]] = {}
+    for e in entries:
+        if e.nbytes == 0:
+            continue
+        if e.nbytes >= chunk_bytes // 4:
+            step = chunk_bytes - chunk_bytes % e.itemsize
+            count += -(-e.nbytes // step)
+        else:
+            small.setdefault(e.dtype, []).append(e.nbytes)
+    for sizes in small.values():  # the same greedy batching as plan_chunks
+        size = 0
+        for n in sizes:
+            if size and size + n > chunk_bytes:
+                count += 1
+                size = 0
+            size += n
+        count += 1
+    return count
+
+
 # ---- the CUDA IPC offer (FLAG_CUDA_IPC transfers; docs/gpu_p2p.md) ----------------------------
 #
 # Sent after the manifest as two messages: the fixed head (its last field sizes the body),

@@ -138,10 +138,11 @@ async def send_tensors(channel: Channel, tensors, *, config: TransportConfig, po
     items = named_items(tensors)
     entries = [proto.TensorEntry(n, str(t.dtype).removeprefix("torch."), tuple(t.shape), t.numel() * t.element_size())
                for n, t in items]
-    chunks = proto.plan_chunks(entries, config.chunk_bytes)
+    num_chunks = proto.count_chunks(entries, config.chunk_bytes)
+    chunks: list[proto.Chunk] = []  # planned only if the chunk stream carries the transfer
     flats = [_flat_bytes(t) for _, t in items]
     manifest = proto.encode_manifest(entries)
-    stats = TransferStats(raw_bytes=sum(e.nbytes for e in entries), chunks=len(chunks))
+    stats = TransferStats(raw_bytes=sum(e.nbytes for e in entries), chunks=num_chunks)
     threads = config.codec_threads or default_threads()
     crc32c = get_backend("cpu").crc32c
     cap = fmt.max_compressed_size(config.chunk_bytes, "uint8")
@@ -182,27 +183,26 @@ async def send_tensors(channel: Channel, tensors, *, config: TransportConfig, po
     use_route = on_one_gpu and cuda_route is not None and not cuda_route.refused and not _gpu_chunks(
         ipc_policy or policy, gpu_codec, stats.raw_bytes, config)
     flags = (proto.FLAG_CUDA_IPC if use_ipc else 0) | (proto.FLAG_CUDA_UCX if use_route else 0)
-    await channel.send(proto.TransferHeader(len(manifest), len(chunks), config.chunk_bytes, transfer_id, flags).pack())
+    await channel.send(proto.TransferHeader(len(manifest), num_chunks, config.chunk_bytes, transfer_id, flags).pack())
     if manifest:
         await channel.send(manifest)
+    done = None
     if use_route:
         from uzip_serve.p2p import ucx_cuda
 
         done = await ucx_cuda.send(channel, entries, flats, config=config, policy=ipc_policy or policy,
                                    route=cuda_route, stream=stream)
-        if done is not None:
-            done.seconds = time.perf_counter() - t_start
-            return done
-        # refused (a host destination, say): the IPC offer or the chunk stream follows
-    if use_ipc:
+        # None: refused (a host destination, say); the IPC offer or the chunk stream follows
+    if done is None and use_ipc:
         from uzip_serve.p2p import ipc_send
 
         done = await ipc_send.send(channel, items, entries, flats, config=config, policy=ipc_policy or policy,
                                    exporter=ipc, stream=stream, executor=executor)
-        if done is not None:
-            done.seconds = time.perf_counter() - t_start
-            return done
-        # refused (another host, no CUDA there): the same transfer goes on as a chunk stream
+        # None: refused (another host, no CUDA there); the transfer goes on as a chunk stream
+    if done is not None:
+        done.seconds = time.perf_counter() - t_start
+        return done
+    chunks.extend(proto.plan_chunks(entries, config.chunk_bytes))  # encode() reads it
     if stream is not None and any(f.is_cuda for f in flats):
         stream.synchronize()  # the codec threads read on their own streams: wait for the caller's writes
     staging.extend(bytearray(cap) for _ in range(2 if config.pipeline else max(1, len(chunks))))
@@ -348,29 +348,29 @@ async def _recv_tensors(channel, config, executor, into, relay: _Relay, ipc=None
         await channel.recv(manifest)
         relay.pass_on(manifest)
     entries = proto.decode_manifest(manifest, max_tensors=config.max_tensors) if manifest else []
-    chunks = proto.plan_chunks(entries, header.chunk_bytes)
-    if len(chunks) != header.num_chunks:
-        raise ProtocolError(f"peer announced {header.num_chunks} chunks, its manifest makes {len(chunks)}")
+    num_chunks = proto.count_chunks(entries, header.chunk_bytes)
+    if num_chunks != header.num_chunks:
+        raise ProtocolError(f"peer announced {header.num_chunks} chunks, its manifest makes {num_chunks}")
     if into is not None:
         _check_into(into, entries)
+    got = None
     if header.flags & proto.FLAG_CUDA_UCX:
         from uzip_serve.p2p import ucx_cuda
 
-        got = await ucx_cuda.recv(channel, entries, config=config, route=cuda_route, relaying=bool(relay.channels),
-                                  into=into, stream=stream, device=device)
-        if got is not None:
-            got[1].seconds = time.perf_counter() - t_start
-            return got
-        # refused: the sender goes on with the IPC offer or the chunk stream
-    if header.flags & proto.FLAG_CUDA_IPC:
+        got = await ucx_cuda.recv(channel, entries, config=config, route=cuda_route,
+                                  relaying=bool(relay.channels), into=into, stream=stream, device=device)
+        # None: refused; the sender goes on with the IPC offer or the chunk stream
+    if got is None and header.flags & proto.FLAG_CUDA_IPC:
         from uzip_serve.p2p import ipc_send
 
-        got = await ipc_send.recv(channel, entries, header, config=config, importer=None if relay.channels else ipc,
-                                  into=into, stream=stream, device=device, executor=executor)
-        if got is not None:
-            got[1].seconds = time.perf_counter() - t_start
-            return got
-        # refused: the sender goes on with the ordinary chunk stream
+        got = await ipc_send.recv(channel, entries, header, config=config,
+                                  importer=None if relay.channels else ipc, into=into, stream=stream,
+                                  device=device, executor=executor)
+        # None: refused; the sender goes on with the ordinary chunk stream
+    if got is not None:
+        got[1].seconds = time.perf_counter() - t_start
+        return got
+    chunks = proto.plan_chunks(entries, header.chunk_bytes)
     if into is not None:
         outputs = {e.name: into[e.name] for e in entries}
     else:
