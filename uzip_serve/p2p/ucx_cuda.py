@@ -24,6 +24,7 @@ UCX) costs one round trip; the refusals that no later transfer can change are re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import Protocol
@@ -41,7 +42,7 @@ logger = logging.getLogger(__name__)
 
 
 class BulkChannel(Protocol):
-    """A Channel that can post several messages at once (ucx.Endpoint)."""
+    """A Channel that can post several messages at once and be progressed busily (ucx.Endpoint)."""
 
     async def send(self, buf) -> None: ...
 
@@ -50,6 +51,8 @@ class BulkChannel(Protocol):
     async def send_many(self, bufs) -> None: ...
 
     async def recv_many(self, bufs) -> None: ...
+
+    def busy_progress(self) -> contextlib.AbstractContextManager: ...
 
 
 class Route:
@@ -70,6 +73,11 @@ async def send(channel: BulkChannel, entries, flats, *, config, policy: Adaptive
                stream) -> TransferStats | None:
     """Offers the CUDA route for tensors on one GPU. Returns the stats, or None if the peer
     refused (the caller goes on with the next step of the same transfer)."""
+    with channel.busy_progress():  # a chain of latency-bound steps: see ucx._BusyProgress
+        return await _send(channel, entries, flats, config=config, policy=policy, route=route, stream=stream)
+
+
+async def _send(channel, entries, flats, *, config, policy, route, stream):
     dev = next(f.device for f in flats if f.numel()).index
     stream = _stream_for(stream, dev)
     total = sum(e.nbytes for e in entries)
@@ -149,7 +157,11 @@ async def recv(channel: BulkChannel, entries, *, config, route: Route | None, re
         logger.info("CUDA route refused: %s", why)
         await channel.send(proto.ACK.pack(proto.ACK_IPC_REFUSED, proto.ACK_REFUSED_FOR_GOOD if for_good else 0))
         return None
+    with channel.busy_progress():  # a chain of latency-bound steps: see ucx._BusyProgress
+        return await _recv(channel, entries, offer, dev_obj, config=config, into=into, stream=stream)
 
+
+async def _recv(channel, entries, offer, dev_obj, *, config, into, stream):
     dev = dev_obj.index
     stream = _stream_for(stream, dev)
     messages = proto.plan_cuda_messages(entries)
@@ -166,7 +178,8 @@ async def recv(channel: BulkChannel, entries, *, config, route: Route | None, re
     # UCX writes outside the caller's stream: work queued there on these tensors (or on the
     # memory the allocator just handed out) must be done first.
     await cuda_ipc.wait_event(ready, config.deadline_s, "CUDA route: earlier work on the destination")
-    received = asyncio.ensure_future(channel.recv_many(bufs))  # posted before the go-ahead
+    # Receives posted as the go-ahead leaves (UCX also matches a rendezvous that arrives first).
+    received = asyncio.ensure_future(channel.recv_many(bufs))
     try:
         await channel.send(proto.ACK.pack(proto.ACK_OK, 0))
     except BaseException:
