@@ -98,10 +98,48 @@ def _our_receiver(q, port_q, cfg, sizes, dest, reps):
     asyncio.run(main())
 
 
-def bench_ours(sizes, compression, dest="cuda", cuda_ipc="auto", cuda_ucx="auto"):
+_MARKS: list = []
+
+
+def _trace_messages() -> list:
+    """Diagnosis (--trace): records in _MARKS when each message of this process's endpoints
+    completes (the endpoint methods are wrapped once per process)."""
+    from uzip_serve.p2p import ucx
+
+    if getattr(ucx.Endpoint, "_traced", False):
+        return _MARKS
+
+    def wrap(name):
+        orig = getattr(ucx.Endpoint, name)
+
+        async def traced(self, buf):
+            await orig(self, buf)
+            _MARKS.append((name, time.perf_counter()))
+
+        setattr(ucx.Endpoint, name, traced)
+
+    for name in ("send", "recv", "send_many", "recv_many"):
+        wrap(name)
+    ucx.Endpoint._traced = True
+    return _MARKS
+
+
+def _timeline(runs) -> str:
+    """Median completion time of each message after the call, over traced transfers."""
+    n = min(len(r) for r in runs)
+    cols = []
+    for k in range(n):
+        cols.append(f"{runs[0][k][0]} {statistics.median(r[k][1] for r in runs) * 1e3:.3f}")
+    return ", ".join(cols) + " (ms)"
+
+
+def bench_ours(sizes, compression, dest="cuda", cuda_ipc="auto", cuda_ucx="auto", progress="blocking",
+               trace=False):
     from uzip_serve import p2p
 
-    cfg = dict(compression=compression, cuda_ipc=cuda_ipc, cuda_ucx=cuda_ucx, deadline_s=60)
+    cfg = dict(compression=compression, cuda_ipc=cuda_ipc, cuda_ucx=cuda_ucx, deadline_s=60,
+               progress_mode=progress)
+    marks = _trace_messages() if trace else []
     if compression != "off":
         _warm_codec()
     fast = compression != "on" and dest == "cuda" and "auto" in (cuda_ipc, cuda_ucx)
@@ -117,12 +155,14 @@ def bench_ours(sizes, compression, dest="cuda", cuda_ipc="auto", cuda_ucx="auto"
             ep = await p2p.connect("127.0.0.1", port, p2p.TransportConfig(**cfg))
             for nbytes in sizes:
                 src = {"w": _src(nbytes)}
-                times, stats = [], None
+                times, stats, runs = [], None, []
                 for i in range(reps[nbytes] + 2):
+                    marks.clear()
                     t0 = time.perf_counter()
                     stats = await ep.send_tensors(src)
                     if i >= 2:  # two warm-ups: mapping opened, staging allocated, codec compiled
                         times.append(time.perf_counter() - t0)
+                        runs.append([(name, t - t0) for name, t in marks])
                 _, _, ok = q.get(timeout=300)
                 med = statistics.median(times)
                 out[nbytes] = {"gbps": nbytes / med / 1e9, "median_s": med, "min_s": min(times), "exact": bool(ok),
@@ -130,6 +170,9 @@ def bench_ours(sizes, compression, dest="cuda", cuda_ipc="auto", cuda_ucx="auto"
                                "decision": stats.decisions[-1].reason if stats.decisions else None}
                 print(f"  ours {compression:>4} ->{dest}: {nbytes // MiB:5d} MiB {out[nbytes]['gbps']:8.1f} GB/s "
                       f"path={stats.path} ratio={stats.ratio:.3f} exact={ok}", flush=True)
+                if trace and runs:
+                    out[nbytes]["timeline"] = _timeline(runs)
+                    print(f"    sender timeline: {out[nbytes]['timeline']}; total {med * 1e3:.3f} ms", flush=True)
             await ep.close()
 
         asyncio.run(main())
@@ -413,6 +456,8 @@ def main():
     ap.add_argument("--diagnose", action="store_true")
     ap.add_argument("--plain-child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--skip", nargs="*", default=[])
+    ap.add_argument("--progress", default="blocking", help="ucxx progress mode of our endpoints")
+    ap.add_argument("--trace", action="store_true", help="also print when each message completes (sender)")
     args = ap.parse_args()
     sizes = [s * MiB for s in args.sizes_mib]
     out = Path(args.out)
@@ -429,11 +474,12 @@ def main():
         results["diagnosis"] = diagnose(out, sizes)
         (out / "gpu_p2p_diag.json").write_text(json.dumps(results, indent=1, default=str))
         return
+    ours = dict(progress=args.progress, trace=args.trace)
     runs = [
-        ("ours raw", lambda: bench_ours(sizes, "off")),
-        ("ours adaptive", lambda: bench_ours(sizes, "auto")),
+        ("ours raw", lambda: bench_ours(sizes, "off", **ours)),
+        ("ours adaptive", lambda: bench_ours(sizes, "auto", **ours)),
         ("ours compressed", lambda: bench_ours(sizes, "on")),
-        ("ours raw, IPC handles (CUDA route off)", lambda: bench_ours(sizes, "off", cuda_ucx="off")),
+        ("ours raw, IPC handles (CUDA route off)", lambda: bench_ours(sizes, "off", cuda_ucx="off", **ours)),
         ("ours raw, CUDA->CPU (pinned)", lambda: bench_ours(sizes, "off", dest="cpu")),
         ("reference torch.mp IPC + copy_", lambda: bench_reference(sizes)),
         ("plain ucxx as found (thread mode)", lambda: _run_child_capture(
