@@ -7,7 +7,7 @@ beat our own IPC handle exchange (whose fixed cost, a fresh torch export per tra
 
     sender                                   receiver
     header, manifest, CudaRouteOffer  ->
-                                      <-     ACK_OK (receives posted) or ACK_IPC_REFUSED
+                                      <-     ACK_OK or ACK_IPC_REFUSED
     one UCX message per tensor (small
     ones batched), straight from GPU  ->     straight into the destination tensors
                                       <-     final ACK (after digests, if offered)
@@ -23,7 +23,6 @@ UCX) costs one round trip; the refusals that no later transfer can change are re
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
@@ -158,6 +157,11 @@ async def recv(channel: BulkChannel, entries, *, config, route: Route | None, re
         await channel.send(proto.ACK.pack(proto.ACK_IPC_REFUSED, proto.ACK_REFUSED_FOR_GOOD if for_good else 0))
         return None
     with channel.busy_progress():  # a chain of latency-bound steps: see ucx._BusyProgress
+        # The go-ahead leaves before the destination is prepared, so that this side's work
+        # overlaps the sender's: UCX moves no byte into our memory before a receive is
+        # posted for it (a rendezvous waits in UCX's queue; an eager message is copied out
+        # of UCX's buffer when the receive is posted).
+        await channel.send(proto.ACK.pack(proto.ACK_OK, 0))
         return await _recv(channel, entries, offer, dev_obj, config=config, into=into, stream=stream)
 
 
@@ -178,14 +182,7 @@ async def _recv(channel, entries, offer, dev_obj, *, config, into, stream):
     # UCX writes outside the caller's stream: work queued there on these tensors (or on the
     # memory the allocator just handed out) must be done first.
     await cuda_ipc.wait_event(ready, config.deadline_s, "CUDA route: earlier work on the destination")
-    # Receives posted as the go-ahead leaves (UCX also matches a rendezvous that arrives first).
-    received = asyncio.ensure_future(channel.recv_many(bufs))
-    try:
-        await channel.send(proto.ACK.pack(proto.ACK_OK, 0))
-    except BaseException:
-        received.cancel()
-        raise
-    await received
+    await channel.recv_many(bufs)
     with torch.cuda.device(dev), torch.cuda.stream(stream):
         for m, b in zip(messages, bufs):
             if len(m) > 1:  # scatter a batch into its tensors, on the caller's stream
