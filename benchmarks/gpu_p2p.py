@@ -51,6 +51,21 @@ def _src(nbytes: int):
     return (torch.randn(nbytes // 2, generator=g, device="cuda") * 0.02).to(torch.bfloat16)
 
 
+def _warm_gpu(seconds: float = 0.2) -> None:
+    """Device copies for `seconds` before a size is timed: an idle GPU clocks down (between
+    methods each run waits seconds for its receiving process), and a sub-millisecond transfer
+    timed right after would measure the clock ramp, not the method."""
+    import torch
+
+    a = torch.empty(256 * MiB, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(20):
+            b.copy_(a)
+        torch.cuda.synchronize()
+
+
 # ---- ours ---------------------------------------------------------------------------------
 
 def _warm_codec():
@@ -155,6 +170,7 @@ def bench_ours(sizes, compression, dest="cuda", cuda_ipc="auto", cuda_ucx="auto"
             ep = await p2p.connect("127.0.0.1", port, p2p.TransportConfig(**cfg))
             for nbytes in sizes:
                 src = {"w": _src(nbytes)}
+                _warm_gpu()
                 times, stats, runs = [], None, []
                 for i in range(reps[nbytes] + 2):
                     marks.clear()
@@ -214,6 +230,7 @@ def bench_reference(sizes):
     try:
         for nbytes in sizes:
             src = _src(nbytes)
+            _warm_gpu()
             times = []
             for i in range(_reps(nbytes) + 2):
                 t0 = time.perf_counter()
@@ -294,6 +311,7 @@ def bench_plain_ucxx(sizes, tls="cuda_ipc,cuda_copy,tcp", mode=None):
             ack = bytearray(1)
             for nbytes in sizes:
                 src = _src(nbytes).view(__import__("torch").uint8)
+                _warm_gpu()
                 times = []
                 for i in range(_reps_plain(nbytes) + 1):
                     t0 = time.perf_counter()
