@@ -101,16 +101,13 @@ class _BusyProgress:
     LINGER_S after the last one ended.
 
     In "blocking" mode UCX is progressed only when its epoll descriptor wakes the event loop,
-    and ucxx awaits every request by yielding, without progressing. That costs little on a
-    slow link, but a GPU route is a chain of small messages and a rendezvous that take
-    microseconds each at device speed, and there every wake-up is on the critical path:
-    measured on the H200 (a Firecracker VM), each step of a transfer took 0.1-0.3 ms and a
-    transfer ~1 ms above its copy, whatever its size, while ucxx's "polling" mode (one core
-    spinning for the whole process's life) was 20-35% faster. Holding this for the route's
-    sub-millisecond duration, and lingering briefly so that the next transfer of a burst
-    (tensor after tensor, layer after layer) finds the loop awake, buys most of that for a
-    core's worth of CPU only while GPU transfers are flowing. Chunk streams and idle
-    endpoints keep blocking mode's economy on small hosts.
+    and ucxx awaits every request by yielding, without progressing. A GPU route is a chain
+    of small messages and a rendezvous, each on the critical path; on the H200 each step of
+    a transfer took 0.1-0.3 ms, and ucxx's "polling" mode (a core spinning for the whole
+    process's life) was 20-35% faster than blocking. This was meant to buy that only while
+    GPU transfers flow; measured (docs/gpu_p2p.md), it did not: no gain beyond run-to-run
+    noise. Kept because the recorded numbers and tests ran with it; the first thing to remove
+    once the route's sequential steps are cut. Chunk streams never hold it.
     """
 
     LINGER_S = 0.002
