@@ -23,7 +23,7 @@ if [ -n "$DIAG" ]; then
           timeout 50 python3 -m benchmarks.gpu_p2p --progress $mode --out /tmp/diag_$mode --skip adaptive IPC $ONLY_OURS
       done; } 2>&1 | grep -E "GB/s|timeline" | tee "$OUT/diag.log"
 fi
-timeout ${BENCH_S:-280} python3 -m benchmarks.gpu_p2p --out "$OUT" 2>&1 | tee "$OUT/bench.log" | grep -v "^  "
+timeout ${BENCH_S:-280} python3 -m benchmarks.gpu_p2p --out "$OUT" $BENCH_ARGS 2>&1 | tee "$OUT/bench.log" | grep -v "^  "
 echo "bench rc=$?"
 timeout ${TESTS_S:-240} python3 -m pytest -q -p no:cacheprovider tests/test_gpu_p2p.py tests/test_codec_gpu.py \
     2>&1 | tee "$OUT/tests.log" | tail -6
