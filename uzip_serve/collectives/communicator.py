@@ -20,7 +20,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("uzip_serve.collectives")
 
-CALIBRATION_BYTES = 2 << 20  # native all-reduce timed to measure the link
+# A native all-reduce of this size is timed to measure the link: large enough that a
+# shaper's burst allowance or a NIC's first-packet latency does not flatter the link.
+CALIBRATION_BYTES = 8 << 20
 SAMPLE_BYTES = 2 << 20  # the caller's data coded to measure the codec and the ratio
 RATIO_PROBE_BYTES = 512 << 10
 
@@ -243,7 +245,7 @@ class RingCommunicator(Communicator):
         t_c, t_d, nbytes = math.inf, math.inf, 0
         tmp = torch.empty_like(sample)
         buf = self.codec.empty_bytes(self.codec.max_nbytes(sample.numel(), sample.dtype))
-        for _ in range(2):
+        for _ in range(4):  # the first pass pays for page faults in fresh buffers and cold caches
             t0 = time.perf_counter()
             nbytes = self.codec.encode_into(sample, buf)
             self._sync(dev)

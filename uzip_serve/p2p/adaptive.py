@@ -81,6 +81,9 @@ class AdaptivePolicy:
         self.link = Ewma(value=prior_link_gbps and prior_link_gbps * 1e9)  # wire bytes per second
         self.compress_speed = Ewma()  # raw bytes per second
         self.decompress_speed = Ewma()  # raw bytes per second, as reported by a receiver
+        # When the last send on this link completed: a pipelined send queued behind it
+        # started using the wire only then.
+        self.link_free_at = 0.0
         # Priors stand in for measurements not made yet (a path's expected link, the codec it uses).
         if prior_compress_gbps:
             self.PRIOR_COMPRESS_GBPS = prior_compress_gbps

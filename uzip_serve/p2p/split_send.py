@@ -9,10 +9,11 @@ codec releases the GIL), which keeps the event loop free to progress the transpo
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from concurrent.futures import Executor
 from typing import Any, Protocol
 
@@ -31,14 +32,20 @@ logger = logging.getLogger(__name__)
 
 # How much of a chunk is compressed to estimate its ratio before deciding (one block).
 PROBE_BYTES = 128 << 10
+# Chunk sends posted at once. Two keep the wire busy: the next chunk is queued at the
+# receiver before the current one completes.
+SEND_WINDOW = 2
+RECV_WINDOW = 2
 
 
 class Channel(Protocol):
-    """Ordered, exact-size message transport (one UCX endpoint)."""
+    """Ordered, exact-size message transport (one UCX endpoint). `send` and `recv` post
+    the operation when called and return an awaitable of its completion: messages match
+    in the order of the calls, however many are in flight."""
 
-    async def send(self, buf) -> None: ...
+    def send(self, buf) -> Awaitable[None]: ...
 
-    async def recv(self, buf) -> None: ...
+    def recv(self, buf) -> Awaitable[None]: ...
 
 
 # ---- tensors <-> bytes --------------------------------------------------------------------
@@ -205,18 +212,14 @@ async def send_tensors(channel: Channel, tensors, *, config: TransportConfig, po
     chunks.extend(proto.plan_chunks(entries, config.chunk_bytes))  # encode() reads it
     if stream is not None and any(f.is_cuda for f in flats):
         stream.synchronize()  # the codec threads read on their own streams: wait for the caller's writes
-    staging.extend(bytearray(cap) for _ in range(2 if config.pipeline else max(1, len(chunks))))
+    # A staging buffer per chunk in flight, plus the one being compressed.
+    staging.extend(bytearray(cap) for _ in range(SEND_WINDOW + 1 if config.pipeline else max(1, len(chunks))))
     if config.pipeline:
-        pending = loop.run_in_executor(executor, encode, 0) if chunks else None
-        for k in range(len(chunks)):
-            enc = await pending
-            if k + 1 < len(chunks):  # compress the next chunk while this one is on the wire
-                pending = loop.run_in_executor(executor, encode, k + 1)
-            await _send_chunk(channel, enc, policy, stats)
+        await _pipelined_send(channel, len(chunks), lambda k: loop.run_in_executor(executor, encode, k),
+                              policy, stats, slots=len(staging))
     else:
         encoded = [await loop.run_in_executor(executor, encode, k) for k in range(len(chunks))]
-        for enc in encoded:
-            await _send_chunk(channel, enc, policy, stats)
+        await _pipelined_send(channel, len(chunks), lambda k: _done(encoded[k]), policy, stats, slots=len(chunks))
     ack = bytearray(proto.ACK.size)
     await channel.recv(ack)
     status, _ = proto.ACK.unpack(ack)
@@ -243,11 +246,44 @@ def _gpu_chunks(policy, gpu_codec, total, config) -> bool:
     return ipc_send.wants_chunks(policy, gpu_codec, total, config)
 
 
+async def _done(value):
+    return value
+
+
+async def _pipelined_send(channel: Channel, n: int, encode, policy: AdaptivePolicy, stats: TransferStats,
+                          *, slots: int) -> None:
+    """Sends chunks 0..n-1 in order, keeping up to SEND_WINDOW of them posted at once while
+    the next is encoded. `encode(k)` returns an awaitable of chunk k, written into staging
+    slot k % slots; a slot is reused only once the send that read it completed."""
+    inflight: collections.deque[tuple[int, asyncio.Future]] = collections.deque()
+    try:
+        pending = encode(0) if n else None
+        for k in range(n):
+            enc = await pending
+            while inflight and (len(inflight) >= SEND_WINDOW or inflight[0][0] <= k + 1 - slots):
+                await inflight.popleft()[1]
+            if k + 1 < n:  # compress the next chunk while this one is on the wire
+                pending = encode(k + 1)
+            inflight.append((k, asyncio.ensure_future(_send_chunk(channel, enc, policy, stats))))
+        while inflight:
+            await inflight.popleft()[1]
+    finally:
+        # On failure, let the sends already posted settle before their buffers go away.
+        rest = [f for _, f in inflight]
+        if rest:
+            await asyncio.gather(*rest, return_exceptions=True)
+
+
 async def _send_chunk(channel: Channel, enc: _Encoded, policy: AdaptivePolicy, stats: TransferStats) -> None:
-    await channel.send(enc.header.pack())
-    t0 = time.perf_counter()
-    await channel.send(enc.payload)
-    policy.observe_link(enc.header.wire_nbytes, time.perf_counter() - t0)
+    # Header and payload are posted together, in order (see Channel).
+    # With the next chunk already posted behind this one, the link never waits for the
+    # round trip in which this sender learns that the previous chunk arrived.
+    posted = time.perf_counter()
+    await asyncio.gather(channel.send(enc.header.pack()), channel.send(enc.payload))
+    done = time.perf_counter()
+    # The link was busy with the chunk ahead of this one until that one completed.
+    policy.observe_link(enc.header.wire_nbytes, done - max(posted, policy.link_free_at))
+    policy.link_free_at = done
     stats.wire_bytes += enc.header.wire_nbytes
     stats.chunks_compressed += enc.header.codec == proto.CODEC_UZIP
     stats.decisions.append(enc.decision)
@@ -380,9 +416,10 @@ async def _recv_tensors(channel, config, executor, into, relay: _Relay, ipc=None
     threads = config.codec_threads or default_threads()
     crc32c = get_backend("cpu").crc32c
     cap = fmt.max_compressed_size(header.chunk_bytes, "uint8")
-    staging = [bytearray(cap), bytearray(cap)]
-    pending: list[asyncio.Future | None] = [None, None]
-    relayed: list[list[asyncio.Future]] = [[], []]  # sends still reading each staging buffer
+    # A staging buffer per posted receive, plus the one being decoded.
+    staging = [bytearray(cap) for _ in range(RECV_WINDOW + 1)]
+    pending: list[asyncio.Future | None] = [None] * len(staging)
+    relayed: list[list[asyncio.Future]] = [[] for _ in staging]  # sends still reading each staging buffer
 
     def finish(k: int, ch: proto.ChunkHeader, payload) -> None:
         """Decodes or verifies chunk k and scatters it into the destination tensors."""
@@ -419,34 +456,47 @@ async def _recv_tensors(channel, config, executor, into, relay: _Relay, ipc=None
                 dst.copy_(data[at:at + p.nbytes])
             at += p.nbytes
 
-    for k, chunk in enumerate(chunks):
-        hb = bytearray(proto.CHUNK_HEADER.size)
-        await channel.recv(hb)
-        ch = proto.ChunkHeader.unpack(hb)
-        relay.pass_on(hb)
-        if ch.index != k or ch.raw_nbytes != chunk.nbytes:
-            raise ProtocolError(f"chunk {ch.index} ({ch.raw_nbytes} bytes) arrived where chunk {k} "
-                                f"({chunk.nbytes} bytes) was due")
-        if (ch.codec == proto.CODEC_RAW and ch.wire_nbytes != ch.raw_nbytes) or ch.wire_nbytes > cap:
-            raise ProtocolError(f"chunk {k}: {ch.wire_nbytes} wire bytes for {ch.raw_nbytes} raw bytes")
-        slot = k % 2
-        if pending[slot] is not None:  # this staging buffer is still being decoded
-            await pending[slot]
-            pending[slot] = None
-        if relayed[slot]:  # ...or still being relayed
-            await asyncio.gather(*relayed[slot])
-            relayed[slot] = []
-        single = len(chunk.pieces) == 1 and flats[chunk.pieces[0].tensor].device.type == "cpu"
-        if ch.codec == proto.CODEC_RAW and single:
-            p = chunk.pieces[0]
-            payload = _host_view(flats[p.tensor][p.start:p.start + p.nbytes])  # straight into the destination
-        else:
-            payload = memoryview(staging[slot])[: ch.wire_nbytes]
-        await channel.recv(payload)
-        relayed[slot] = relay.pass_on(payload)
-        stats.wire_bytes += ch.wire_nbytes
-        stats.chunks_compressed += ch.codec == proto.CODEC_UZIP
-        pending[slot] = loop.run_in_executor(executor, finish, k, ch, payload)
+    # Up to RECV_WINDOW payload receives are posted at once: chunk k+1's header arrives
+    # while chunk k's data is still flowing (the sender posts it early), so its receive is
+    # posted before chunk k completes and the link never idles for a rendezvous round trip.
+    inflight: collections.deque = collections.deque()  # (k, header bytes, header, payload, receive)
+
+    try:
+        for k, chunk in enumerate(chunks):
+            hb = bytearray(proto.CHUNK_HEADER.size)
+            await channel.recv(hb)
+            ch = proto.ChunkHeader.unpack(hb)
+            if ch.index != k or ch.raw_nbytes != chunk.nbytes:
+                raise ProtocolError(f"chunk {ch.index} ({ch.raw_nbytes} bytes) arrived where chunk {k} "
+                                    f"({chunk.nbytes} bytes) was due")
+            if (ch.codec == proto.CODEC_RAW and ch.wire_nbytes != ch.raw_nbytes) or ch.wire_nbytes > cap:
+                raise ProtocolError(f"chunk {k}: {ch.wire_nbytes} wire bytes for {ch.raw_nbytes} raw bytes")
+            slot = k % len(staging)
+            if pending[slot] is not None:  # this staging buffer is still being decoded
+                await pending[slot]
+                pending[slot] = None
+            if relayed[slot]:  # ...or still being relayed
+                await asyncio.gather(*relayed[slot])
+                relayed[slot] = []
+            single = len(chunk.pieces) == 1 and flats[chunk.pieces[0].tensor].device.type == "cpu"
+            if ch.codec == proto.CODEC_RAW and single:
+                p = chunk.pieces[0]
+                payload = _host_view(flats[p.tensor][p.start:p.start + p.nbytes])  # straight into the destination
+            else:
+                payload = memoryview(staging[slot])[: ch.wire_nbytes]
+            inflight.append((k, hb, ch, payload, asyncio.ensure_future(channel.recv(payload))))
+            while len(inflight) >= RECV_WINDOW or (inflight and k + 1 == len(chunks)):
+                j, hb_j, ch_j, payload_j, receive = inflight.popleft()
+                await receive
+                # Relayed in order: header, then payload, chunk after chunk.
+                relay.pass_on(hb_j)
+                relayed[j % len(staging)] = relay.pass_on(payload_j)
+                stats.wire_bytes += ch_j.wire_nbytes
+                stats.chunks_compressed += ch_j.codec == proto.CODEC_UZIP
+                pending[j % len(staging)] = loop.run_in_executor(executor, finish, j, ch_j, payload_j)
+    finally:
+        for *_, receive in inflight:  # only after a failure: the endpoint is aborted, stop waiting
+            receive.cancel()
     for fut in pending:
         if fut is not None:
             await fut

@@ -25,6 +25,7 @@ import logging
 import os
 import time
 import weakref
+from collections.abc import Awaitable
 from concurrent.futures import ThreadPoolExecutor
 
 from uzip_serve.p2p import cuda_ipc, split_send, ucx_cuda
@@ -180,19 +181,21 @@ class Endpoint:
         self._finalizer = weakref.finalize(self, _abort_quietly, ucx_ep, self._executor)
 
     # -- the Channel used by split_send: exact-size messages under a deadline --
-    async def send(self, buf) -> None:
+    # Both post the operation when called, not when awaited: UCX matches one endpoint's
+    # messages in the order they were posted, and the pipelines keep several in flight.
+    def send(self, buf) -> Awaitable[None]:
         self._check_open()
-        try:
-            await asyncio.wait_for(self._ep.send(buf), self.config.deadline_s)
-        except Exception as e:  # noqa: BLE001 - translated into a typed error or re-raised
-            raise _translate(e, "send") from e
+        return self._within_deadline(asyncio.ensure_future(self._ep.send(buf)), "send")
 
-    async def recv(self, buf) -> None:
+    def recv(self, buf) -> Awaitable[None]:
         self._check_open()
+        return self._within_deadline(asyncio.ensure_future(self._ep.recv(buf)), "recv")
+
+    async def _within_deadline(self, request: asyncio.Future, what: str) -> None:
         try:
-            await asyncio.wait_for(self._ep.recv(buf), self.config.deadline_s)
-        except Exception as e:  # noqa: BLE001
-            raise _translate(e, "recv") from e
+            await asyncio.wait_for(request, self.config.deadline_s)
+        except Exception as e:  # noqa: BLE001 - translated into a typed error or re-raised
+            raise _translate(e, what) from e
 
     async def send_many(self, bufs) -> None:
         """Sends several messages, all posted at once (UCX pipelines them), awaited in order:
