@@ -226,3 +226,17 @@ def test_cut_through_relay_forwards_every_chunk_unchanged():
         assert torch.equal(bits(mid[k]), bits(v)) and torch.equal(bits(end[k]), bits(v)), k
     # The relay passed the compressed frames on as they were: same bytes on both hops.
     assert sent.wire_bytes == mid_stats.wire_bytes == end_stats.wire_bytes < sent.raw_bytes
+
+
+def test_chunk_header_checked_against_the_plan():
+    ok = proto.ChunkHeader(3, proto.CODEC_UZIP, 1000, 700).pack()
+    assert proto.ChunkHeader.unpack_expected(ok, 3, 1000, 800).wire_nbytes == 700
+    with pytest.raises(ProtocolError, match="arrived where chunk 2"):
+        proto.ChunkHeader.unpack_expected(ok, 2, 1000, 800)  # out of order
+    with pytest.raises(ProtocolError, match="arrived where"):
+        proto.ChunkHeader.unpack_expected(ok, 3, 999, 800)  # another size than planned
+    with pytest.raises(ProtocolError, match="wire bytes"):
+        proto.ChunkHeader.unpack_expected(ok, 3, 1000, 600)  # a frame larger than the buffer
+    raw = proto.ChunkHeader(0, proto.CODEC_RAW, 1000, 999).pack()
+    with pytest.raises(ProtocolError, match="wire bytes"):
+        proto.ChunkHeader.unpack_expected(raw, 0, 1000, 4096)  # a raw chunk is exactly its bytes

@@ -297,13 +297,7 @@ async def _recv_chunked(channel, entries, offer, flats, stats, importer, mapped,
     for k, chunk in enumerate(chunks):
         hb = bytearray(proto.CHUNK_HEADER.size)
         await channel.recv(hb)
-        ch = proto.ChunkHeader.unpack(hb)
-        if ch.index != k or ch.raw_nbytes != chunk.nbytes:
-            raise ProtocolError(f"chunk {ch.index} ({ch.raw_nbytes} bytes) arrived where chunk {k} "
-                                f"({chunk.nbytes} bytes) was due")
-        if (ch.codec == proto.CODEC_RAW and ch.wire_nbytes != ch.raw_nbytes) or \
-                (ch.codec == proto.CODEC_UZIP and ch.wire_nbytes > offer.slot_bytes):
-            raise ProtocolError(f"chunk {k}: {ch.wire_nbytes} wire bytes for {ch.raw_nbytes} raw bytes")
+        ch = proto.ChunkHeader.unpack_expected(hb, k, chunk.nbytes, offer.slot_bytes)
         await loop.run_in_executor(executor, apply, k, ch)
         stats.wire_bytes += ch.wire_nbytes
         stats.chunks_compressed += ch.codec == proto.CODEC_UZIP

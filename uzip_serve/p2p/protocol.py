@@ -123,6 +123,19 @@ class ChunkHeader:
             raise ProtocolError(f"chunk {index}: unknown codec {codec}")
         return cls(index, codec, raw, wire, crc)
 
+    @classmethod
+    def unpack_expected(cls, buf, k: int, raw_nbytes: int, max_frame_nbytes: int) -> "ChunkHeader":
+        """Unpacks the header of chunk k and checks it against the plan: its index, its raw
+        size, and a wire size the receiver's buffer holds (a raw chunk is its raw bytes)."""
+        ch = cls.unpack(buf)
+        if ch.index != k or ch.raw_nbytes != raw_nbytes:
+            raise ProtocolError(f"chunk {ch.index} ({ch.raw_nbytes} bytes) arrived where chunk {k} "
+                                f"({raw_nbytes} bytes) was due")
+        if (ch.codec == CODEC_RAW and ch.wire_nbytes != ch.raw_nbytes) or \
+                (ch.codec == CODEC_UZIP and ch.wire_nbytes > max_frame_nbytes):
+            raise ProtocolError(f"chunk {k}: {ch.wire_nbytes} wire bytes for {ch.raw_nbytes} raw bytes")
+        return ch
+
 
 def encode_manifest(entries: Sequence[TensorEntry]) -> bytes:
     parts = [_COUNT.pack(len(entries))]

@@ -465,12 +465,7 @@ async def _recv_tensors(channel, config, executor, into, relay: _Relay, ipc=None
         for k, chunk in enumerate(chunks):
             hb = bytearray(proto.CHUNK_HEADER.size)
             await channel.recv(hb)
-            ch = proto.ChunkHeader.unpack(hb)
-            if ch.index != k or ch.raw_nbytes != chunk.nbytes:
-                raise ProtocolError(f"chunk {ch.index} ({ch.raw_nbytes} bytes) arrived where chunk {k} "
-                                    f"({chunk.nbytes} bytes) was due")
-            if (ch.codec == proto.CODEC_RAW and ch.wire_nbytes != ch.raw_nbytes) or ch.wire_nbytes > cap:
-                raise ProtocolError(f"chunk {k}: {ch.wire_nbytes} wire bytes for {ch.raw_nbytes} raw bytes")
+            ch = proto.ChunkHeader.unpack_expected(hb, k, chunk.nbytes, cap)
             slot = k % len(staging)
             if pending[slot] is not None:  # this staging buffer is still being decoded
                 await pending[slot]
