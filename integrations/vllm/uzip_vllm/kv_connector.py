@@ -550,18 +550,25 @@ class UzipConnector(KVConnectorBase_V1):
             active = time.time() - t0
             if reason:
                 raise RuntimeError(f"decode refused: {reason}")
-            for expect in range(len(self._layer_names)):
-                item = out.q.get(timeout=self._cfg.load_timeout_s)
-                if item is _END:
-                    raise RuntimeError(f"only {expect} of {len(self._layer_names)} layers were saved")
-                idx, blocks = item
+            sent, total = 0, len(self._layer_names)
+            while sent < total:
+                # Every layer already saved goes in one transfer: while the forward outruns the
+                # link, layers queue up, and one transfer pipelines their chunks (compress the
+                # next while one is on the wire) where one transfer per layer would pay compress,
+                # wire, decode and an ack in series for each.
+                ready = [out.q.get(timeout=self._cfg.load_timeout_s)]
+                while len(ready) < total - sent and not out.q.empty() and ready[-1] is not _END:
+                    ready.append(out.q.get_nowait())
+                if ready[-1] is _END:
+                    raise RuntimeError(f"only {sent + len(ready) - 1} of {total} layers were saved")
                 if self._cfg.test_layer_delay_s:
                     time.sleep(self._cfg.test_layer_delay_s)
                 ts = time.perf_counter()
-                st = ep.send_tensors({str(idx): blocks})
+                st = ep.send_tensors({str(idx): blocks for idx, blocks in ready})
                 active += time.perf_counter() - ts
                 raw += st.raw_bytes
                 wire += st.wire_bytes
+                sent += len(ready)
             ep.close()
             t1 = time.time()
             stats.note(spec.xfer_id, t_send_start=t0, t_send_done=t1, send_active_s=active, raw_bytes=raw,
@@ -618,13 +625,18 @@ class UzipConnector(KVConnectorBase_V1):
             with self._incoming_lock:
                 self._incoming[hello.xfer_id] = entry
             want_shape = (hello.num_blocks, *self._page_shape)
-            for i in range(hello.num_layers):
+            i = 0
+            while i < hello.num_layers:  # one transfer carries the next one or more layers, in order
                 got = ep.recv_tensors()
                 st = ep.last_stats
-                t = got.get(str(i))
-                if len(got) != 1 or t is None or tuple(t.shape) != want_shape or t.dtype != self._dtype:
-                    raise ValueError(f"layer {i}: unexpected message {[(k, tuple(v.shape), v.dtype) for k, v in got.items()]}")
-                entry.layers[i] = t
+                for name, t in got.items():
+                    if i >= hello.num_layers or name != str(i) or tuple(t.shape) != want_shape or t.dtype != self._dtype:
+                        raise ValueError(f"layer {i}: unexpected message "
+                                         f"{[(k, tuple(v.shape), v.dtype) for k, v in got.items()]}")
+                    entry.layers[i] = t
+                    i += 1
+                if not got:
+                    raise ValueError(f"layer {i}: an empty transfer")
                 if st is not None:
                     entry.raw_bytes += st.raw_bytes
                     entry.wire_bytes += st.wire_bytes
