@@ -64,8 +64,12 @@ class Proxy:
         import aiohttp
 
         if self._session is None:
+            # A fresh connection per request: a kept-alive one that the server closes as idle
+            # just when it is reused fails the request ("Server disconnected"; seen once in a
+            # benchmark run, where the decode side then waited out its load timeout). A connect
+            # costs well under a millisecond next to a prefill.
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
-                                                  connector=aiohttp.TCPConnector(limit=0))
+                                                  connector=aiohttp.TCPConnector(limit=0, force_close=True))
         return self._session
 
     def app(self):
