@@ -187,8 +187,11 @@ async def send_tensors(channel: Channel, tensors, *, config: TransportConfig, po
     use_ipc = on_one_gpu and ipc is not None and not ipc.refused and config.cuda_ipc != "off"
     # The CUDA route carries raw bytes only: where compression could pay, the IPC path's
     # chunked mode (GPU codec) does the transfer.
-    use_route = on_one_gpu and cuda_route is not None and not cuda_route.refused and not _gpu_chunks(
-        ipc_policy or policy, gpu_codec, stats.raw_bytes, config)
+    use_route = on_one_gpu and cuda_route is not None and not cuda_route.refused
+    if use_route:
+        from uzip_serve.p2p import ipc_send
+
+        use_route = not ipc_send.wants_chunks(ipc_policy or policy, gpu_codec, stats.raw_bytes, config)
     flags = (proto.FLAG_CUDA_IPC if use_ipc else 0) | (proto.FLAG_CUDA_UCX if use_route else 0)
     await channel.send(proto.TransferHeader(len(manifest), num_chunks, config.chunk_bytes, transfer_id, flags).pack())
     if manifest:
@@ -238,12 +241,6 @@ def _on_one_gpu(items) -> bool:
     """GPU routes are offered for a transfer whose non-empty tensors all sit on one GPU."""
     devices = {t.device for _, t in items if t.numel()}
     return len(devices) == 1 and next(iter(devices)).type == "cuda"
-
-
-def _gpu_chunks(policy, gpu_codec, total, config) -> bool:
-    from uzip_serve.p2p import ipc_send
-
-    return ipc_send.wants_chunks(policy, gpu_codec, total, config)
 
 
 async def _done(value):

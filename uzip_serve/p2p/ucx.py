@@ -19,11 +19,9 @@ operation runs on the process's one UCX loop (loop.py), whatever loop the caller
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import os
-import time
 import weakref
 from collections.abc import Awaitable
 from concurrent.futures import ThreadPoolExecutor
@@ -95,53 +93,6 @@ def start_ucx(config: TransportConfig) -> None:
     _started_with = config
     _started_tls = os.environ.get("UCX_TLS") or tls
     logger.info("UCX started: tls=%s progress=%s", _started_tls, config.progress_mode)
-
-
-class _BusyProgress:
-    """Progresses UCX in a tight loop on the UCX loop while a GPU route runs, and for
-    LINGER_S after the last one ended.
-
-    In "blocking" mode UCX is progressed only when its epoll descriptor wakes the event loop,
-    and ucxx awaits every request by yielding, without progressing. A GPU route is a chain
-    of small messages and a rendezvous, each on the critical path; on the H200 each step of
-    a transfer took 0.1-0.3 ms, and ucxx's "polling" mode (a core spinning for the whole
-    process's life) was 20-35% faster than blocking. This was meant to buy that only while
-    GPU transfers flow; measured (docs/gpu_p2p.md), it did not: no gain beyond run-to-run
-    noise. Kept because the recorded numbers and tests ran with it; the first thing to remove
-    once the route's sequential steps are cut. Chunk streams never hold it.
-    """
-
-    LINGER_S = 0.002
-
-    def __init__(self):
-        self.users = 0
-        self.task: asyncio.Task | None = None
-
-    def hold(self) -> None:
-        self.users += 1
-        if self.task is None:
-            self.task = asyncio.ensure_future(self._run())
-
-    def release(self) -> None:
-        self.users -= 1  # the task ends LINGER_S after nobody holds it any more
-
-    async def _run(self) -> None:
-        ucxx = _ucxx()
-        last_held = time.perf_counter()
-        try:
-            while True:
-                now = time.perf_counter()
-                if self.users > 0:
-                    last_held = now
-                elif now - last_held > self.LINGER_S:
-                    return
-                ucxx.progress()
-                await asyncio.sleep(0)
-        finally:
-            self.task = None
-
-
-_busy = _BusyProgress()
 
 
 def _translate(exc: BaseException, what: str) -> TransferError:
@@ -219,19 +170,6 @@ class Endpoint:
                 f.cancel()
                 f.add_done_callback(_retrieve)  # no "exception never retrieved" for the rest
             raise _translate(e, what) from e
-
-    @contextlib.contextmanager
-    def busy_progress(self):
-        """Within this block UCX is progressed continuously (in "blocking" mode; the other
-        modes progress on their own): for the short, latency-bound GPU routes."""
-        if _started_with is None or _started_with.progress_mode != "blocking":
-            yield
-            return
-        _busy.hold()
-        try:
-            yield
-        finally:
-            _busy.release()
 
     def _check_open(self) -> None:
         if self._closed:

@@ -23,9 +23,9 @@ UCX) costs one round trip; the refusals that no later transfer can change are re
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
+from collections.abc import Awaitable
 from typing import Protocol
 
 import torch
@@ -41,17 +41,15 @@ logger = logging.getLogger(__name__)
 
 
 class BulkChannel(Protocol):
-    """A Channel that can post several messages at once and be progressed busily (ucx.Endpoint)."""
+    """A Channel that can post several messages at once (ucx.Endpoint)."""
 
-    async def send(self, buf) -> None: ...
+    def send(self, buf) -> Awaitable[None]: ...
 
-    async def recv(self, buf) -> None: ...
+    def recv(self, buf) -> Awaitable[None]: ...
 
     async def send_many(self, bufs) -> None: ...
 
     async def recv_many(self, bufs) -> None: ...
-
-    def busy_progress(self) -> contextlib.AbstractContextManager: ...
 
 
 class Route:
@@ -72,8 +70,7 @@ async def send(channel: BulkChannel, entries, flats, *, config, policy: Adaptive
                stream) -> TransferStats | None:
     """Offers the CUDA route for tensors on one GPU. Returns the stats, or None if the peer
     refused (the caller goes on with the next step of the same transfer)."""
-    with channel.busy_progress():  # a chain of latency-bound steps: see ucx._BusyProgress
-        return await _send(channel, entries, flats, config=config, policy=policy, route=route, stream=stream)
+    return await _send(channel, entries, flats, config=config, policy=policy, route=route, stream=stream)
 
 
 async def _send(channel, entries, flats, *, config, policy, route, stream):
@@ -156,13 +153,12 @@ async def recv(channel: BulkChannel, entries, *, config, route: Route | None, re
         logger.info("CUDA route refused: %s", why)
         await channel.send(proto.ACK.pack(proto.ACK_IPC_REFUSED, proto.ACK_REFUSED_FOR_GOOD if for_good else 0))
         return None
-    with channel.busy_progress():  # a chain of latency-bound steps: see ucx._BusyProgress
-        # The go-ahead leaves before the destination is prepared, so that this side's work
-        # overlaps the sender's: UCX moves no byte into our memory before a receive is
-        # posted for it (a rendezvous waits in UCX's queue; an eager message is copied out
-        # of UCX's buffer when the receive is posted).
-        await channel.send(proto.ACK.pack(proto.ACK_OK, 0))
-        return await _recv(channel, entries, offer, dev_obj, config=config, into=into, stream=stream)
+    # The go-ahead leaves before the destination is prepared, so that this side's work
+    # overlaps the sender's: UCX moves no byte into our memory before a receive is
+    # posted for it (a rendezvous waits in UCX's queue; an eager message is copied out
+    # of UCX's buffer when the receive is posted).
+    await channel.send(proto.ACK.pack(proto.ACK_OK, 0))
+    return await _recv(channel, entries, offer, dev_obj, config=config, into=into, stream=stream)
 
 
 async def _recv(channel, entries, offer, dev_obj, *, config, into, stream):
