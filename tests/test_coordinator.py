@@ -236,7 +236,7 @@ def test_coordinator_restart_keeps_state_and_versions(coord):
         rs.stop()
 
 
-def test_wrong_token_stale_version_and_corrupt_chunk(coord, monkeypatch):
+def test_wrong_token_stale_version_and_corrupt_chunk(coord, corrupt_chunks):
     w = model_weights(5)
     rs = Receivers(coord.address, {"r0": (template_of(w), None), "r1": (template_of(w), None)})
     try:
@@ -262,20 +262,8 @@ def test_wrong_token_stale_version_and_corrupt_chunk(coord, monkeypatch):
         assert e.value.code == "INVALID_ARGUMENT"
 
         # Corrupt one chunk on the wire: the receiver's checksum fails, nobody commits.
-        from uzip_serve.p2p import split_send
-
-        real = split_send._send_chunk
-
-        async def corrupting(channel, enc, policy, stats):
-            payload = bytearray(memoryview(enc.payload).cast("B"))
-            payload[len(payload) // 2] ^= 0x01
-            enc.payload = payload
-            return await real(channel, enc, policy, stats)
-
-        monkeypatch.setattr(split_send, "_send_chunk", corrupting)
-        with pytest.raises(uz.PushError, match="ChecksumError|checksum|aborted"):
+        with corrupt_chunks(0x01), pytest.raises(uz.PushError, match="ChecksumError|checksum|aborted"):
             push(coord, model_weights(6))
-        monkeypatch.setattr(split_send, "_send_chunk", real)
         rs.no_commit_within(2)
         assert coord.state().committed_version == 7
         assert push(coord, model_weights(8)).version == 9  # 8 was used by the aborted push

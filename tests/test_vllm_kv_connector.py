@@ -19,9 +19,9 @@ from contextlib import ExitStack
 
 import pytest
 
-for _k, _v in {"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-               "VLLM_NO_USAGE_STATS": "1"}.items():
-    os.environ.setdefault(_k, _v)
+from conftest import use_vllm_test_env
+
+use_vllm_test_env()  # before vllm is imported
 
 vllm = pytest.importorskip("vllm")
 pytest.importorskip("ucxx")
