@@ -11,7 +11,6 @@ import asyncio
 import multiprocessing as mp
 import os
 import signal
-import time
 import traceback
 
 import pytest
@@ -67,8 +66,14 @@ def test_ipc_offer_round_trip_and_validation():
     both = proto.FLAG_CUDA_IPC | proto.FLAG_CUDA_UCX
     assert proto.TransferHeader.unpack(proto.TransferHeader(10, 0, 1 << 20, 1, both).pack(),
                                        max_manifest_bytes=100).flags == both
+    eager = proto.FLAG_CUDA_UCX | proto.FLAG_CUDA_UCX_EAGER
+    assert proto.TransferHeader.unpack(proto.TransferHeader(10, 0, 1 << 20, 1, eager).pack(),
+                                       max_manifest_bytes=100).flags == eager
+    with pytest.raises(ProtocolError, match="without a CUDA route offer"):
+        proto.TransferHeader.unpack(proto.TransferHeader(10, 0, 1 << 20, 1, proto.FLAG_CUDA_UCX_EAGER).pack(),
+                                    max_manifest_bytes=100)
     with pytest.raises(ProtocolError, match="flags"):
-        proto.TransferHeader.unpack(proto.TransferHeader(10, 0, 1 << 20, 1, 4).pack(), max_manifest_bytes=100)
+        proto.TransferHeader.unpack(proto.TransferHeader(10, 0, 1 << 20, 1, 8).pack(), max_manifest_bytes=100)
 
 
 def test_cuda_route_offer_and_message_plan():
@@ -128,22 +133,44 @@ def batch(specs, device="cuda"):
     return {name: make(dt, n, seed, device) for name, dt, n, seed in specs}
 
 
-def _receiver(q, config_kwargs, rounds):
-    """Receives each round (specs, where) and reports whether every tensor matched."""
+def _receiver(q, config_kwargs, rounds, relay_port=None):
+    """Receives each round (specs, where, *options) and reports whether every tensor matched,
+    the path, and how many messages this side sent during the transfer. Options: "relay"
+    forwards the round to the receiver at `relay_port`; "wrong" gives an `into` one element
+    too long (the transfer must fail; the error is reported and the receiver stops)."""
     from uzip_serve import p2p
 
     async def main():
         lst = await p2p.listen(0, p2p.TransportConfig(**config_kwargs))
         q.put(("port", lst.port, os.getpid()))
         ep = await lst.accept(timeout=120)
-        for specs, where in rounds:
-            if where == "cuda_into" or where == "cpu_into":
-                dev = "cuda" if where == "cuda_into" else "cpu"
-                into = {name: torch.full((n,), 7, dtype=getattr(torch, dt)).to(dev) if n else
-                        torch.empty(0, dtype=getattr(torch, dt), device=dev) for name, dt, n, _ in specs}
-                got = await ep.recv_tensors(into=into)
-            else:
-                got = await ep.recv_tensors(device="cuda" if where == "cuda_new" else None)
+        down = await p2p.connect("127.0.0.1", relay_port, p2p.TransportConfig(**config_kwargs)) if relay_port else None
+        sent = 0
+        plain_send = ep.send
+
+        def counting_send(buf):
+            nonlocal sent
+            sent += 1
+            return plain_send(buf)
+
+        ep.send = counting_send
+        for specs, where, *options in rounds:
+            sent = 0
+            forward = [down] if "relay" in options else []
+            extra = 1 if "wrong" in options else 0
+            try:
+                if where == "cuda_into" or where == "cpu_into":
+                    dev = "cuda" if where == "cuda_into" else "cpu"
+                    into = {name: torch.full((n + extra,), 7, dtype=getattr(torch, dt)).to(dev) if n else
+                            torch.empty(0, dtype=getattr(torch, dt), device=dev) for name, dt, n, _ in specs}
+                    got = await ep.recv_tensors(into=into, forward=forward)
+                else:
+                    got = await ep.recv_tensors(device="cuda" if where == "cuda_new" else None, forward=forward)
+            except p2p.TransferError as e:
+                if not extra:
+                    raise
+                q.put(("got", [type(e).__name__], None, 0, sent))
+                break
             bad = []
             for name, dt, n, seed in specs:
                 t = got[name]
@@ -154,9 +181,11 @@ def _receiver(q, config_kwargs, rounds):
                 if not ok:
                     bad.append(name)
             st = ep.last_stats
-            q.put(("got", bad, st.path, st.chunks_compressed))
+            q.put(("got", bad, st.path, st.chunks_compressed, sent))
             del got
         await ep.close()
+        if down is not None:
+            await down.close()
 
     try:
         asyncio.run(main())
@@ -165,9 +194,9 @@ def _receiver(q, config_kwargs, rounds):
 
 
 class Peer:
-    def __init__(self, rounds, **config_kwargs):
+    def __init__(self, rounds, relay_port=None, **config_kwargs):
         self.q = CTX.Queue()
-        self.proc = CTX.Process(target=_receiver, args=(self.q, config_kwargs, rounds), daemon=True)
+        self.proc = CTX.Process(target=_receiver, args=(self.q, config_kwargs, rounds, relay_port), daemon=True)
         self.proc.start()
         _, self.port, self.pid = self.get()
 
@@ -183,16 +212,19 @@ class Peer:
         self.proc.join(10)
 
 
-def run_rounds(rounds, sender_cfg=None, **receiver_cfg):
-    """Sends every round to a fresh receiving process; returns [(sender stats, receiver report)]."""
+def run_rounds(rounds, sender_cfg=None, relay_rounds=None, **receiver_cfg):
+    """Sends every round to a fresh receiving process; returns [(sender stats, receiver report)].
+    With `relay_rounds`, that process relays the rounds marked "relay" to a second one, whose
+    reports (one per relayed round) follow as [(None, report)]."""
     from uzip_serve import p2p
 
-    peer = Peer(rounds, **receiver_cfg)
+    down = Peer(relay_rounds, **receiver_cfg) if relay_rounds is not None else None
+    peer = Peer(rounds, relay_port=down.port if down else None, **receiver_cfg)
     try:
         async def main():
             ep = await p2p.connect("127.0.0.1", peer.port, p2p.TransportConfig(**(sender_cfg or {})))
             out = []
-            for specs, _ in rounds:
+            for specs, *_ in rounds:
                 tensors = batch(specs)
                 stats = await ep.send_tensors(tensors)
                 out.append((stats, peer.get()))
@@ -200,9 +232,33 @@ def run_rounds(rounds, sender_cfg=None, **receiver_cfg):
             await ep.close()
             return out
 
-        return asyncio.run(main())
+        try:
+            out = asyncio.run(main())
+        except Exception as e:  # noqa: BLE001 - the receiver's own error says more than a reset
+            _raise_peer_error(peer, e)
+            raise
+        return out + [(None, down.get()) for _ in relay_rounds or ()]
     finally:
         peer.stop()
+        if down is not None:
+            down.stop()
+
+
+def _raise_peer_error(peer: Peer, sender_error: Exception) -> None:
+    """A receiver that failed resets the connection; what it reported before is the story."""
+    import queue
+
+    try:
+        while True:
+            msg = peer.q.get(timeout=10)
+            if msg[0] == "error":
+                raise AssertionError(f"receiver failed: {msg[1]}\n{msg[2]}\n(sender: {sender_error!r})") \
+                    from sender_error
+    except queue.Empty:
+        peer.proc.join(5)
+        if peer.proc.exitcode is not None:
+            raise AssertionError(f"receiver died, exit code {peer.proc.exitcode} (sender: {sender_error!r})") \
+                from sender_error
 
 
 SIZES = [0, 1, 4095, MiB + 3, 16 * MiB, 256 * MiB, 1024 * MiB]
@@ -230,11 +286,60 @@ def size_rounds(where):
 ])
 def test_gpu_routes_bit_exact_0_to_1gib(where, receiver, path):
     results = run_rounds(size_rounds(where), **receiver)
-    for stats, (_, bad, got_path, compressed) in results:
+    for stats, (_, bad, got_path, compressed, _) in results:
         assert not bad, f"mismatch in {bad}"
         assert compressed == 0 and stats.chunks_compressed == 0  # auto mode: raw on this link
     # the first round is 0 bytes (no GPU route: nothing sits on a GPU)
-    assert all(s.path == p == path for s, (_, _, p, _) in results[1:]), [s.path for s, _ in results]
+    assert all(s.path == p == path for s, (_, _, p, *_) in results[1:]), [s.path for s, _ in results]
+
+
+def _two(where, seed, *options):
+    return ([("w", "bfloat16", 3 * MiB + 1, seed), ("x", "uint8", 4097, seed + 1), ("e", "int64", 0, 0)], where,
+            *options)
+
+
+@gpu
+def test_standing_go_ahead_then_eager_transfers_to_any_destination():
+    """One go-ahead per endpoint: later transfers send the payload behind the offer (the
+    receiver sends the final ACK only), and take host or new destinations through a GPU buffer."""
+    wheres = ["cuda_into", "cuda_new", "cpu_new", "cpu_into", "cuda_into"]
+    results = run_rounds([_two(w, 10 * i) for i, w in enumerate(wheres)])
+    assert all(not bad for _, (_, bad, *_) in results)
+    assert [s.path for s, _ in results] == ["ucx_cuda"] * 5
+    assert [r[2] for _, r in results] == ["ucx_cuda", "ucx_cuda", "ucx_cuda_staged", "ucx_cuda_staged", "ucx_cuda"]
+    assert [r[4] for _, r in results] == [2, 1, 1, 1, 1]  # go-ahead + final ACK, then the final ACK alone
+
+
+@gpu
+def test_eager_transfer_into_a_relaying_receiver_is_forwarded_whole():
+    rounds = [_two("cuda_into", 1), _two("cuda_new", 5, "relay"), _two("cpu_new", 9, "relay")]
+    results = run_rounds(rounds, relay_rounds=[r[:2] for r in rounds[1:]])
+    assert all(not bad for _, (_, bad, *_) in results), results
+    assert [r[2] for _, r in results[:3]] == ["ucx_cuda", "ucx_cuda", "ucx_cuda_staged"]
+    # downstream: a transfer of its own per relayed round, from where the relay put the
+    # tensors (its GPU: the CUDA route; its host memory: the chunk stream)
+    assert [r[2] for _, r in results[3:]] == ["ucx_cuda", "ucx"]
+
+
+@gpu
+def test_eager_payload_into_a_wrong_destination_fails_fast_on_both_sides():
+    """An eager payload cannot be refused: the receiver's error (an `into` that does not fit)
+    must reach the sender as that error, not as a deadline on sends nobody will match."""
+    from uzip_serve import p2p
+
+    peer = Peer([_two("cuda_into", 1), _two("cuda_into", 2, "wrong")])
+    try:
+        async def main():
+            ep = await p2p.connect("127.0.0.1", peer.port, p2p.TransportConfig(deadline_s=60))
+            await ep.send_tensors(batch(_two("cuda_into", 1)[0]))
+            assert not peer.get()[1]
+            with pytest.raises(p2p.ProtocolError, match="rejected"):
+                await ep.send_tensors(batch(_two("cuda_into", 2)[0]))
+            assert peer.get()[1] == ["ProtocolError"]
+
+        asyncio.run(asyncio.wait_for(main(), 50))  # a hang guard under the deadline: a timeout fails
+    finally:
+        peer.stop()
 
 
 @gpu
@@ -245,7 +350,7 @@ def test_cuda_ipc_compressed_chunks_bit_exact(where):
              ([("r", "uint8", 3 * MiB + 1, 4)], where)]
     cfg = dict(compression="on", ipc_chunk_bytes=32 * MiB)
     results = run_rounds(specs, cfg, **cfg)
-    for stats, (_, bad, path, compressed) in results:
+    for stats, (_, bad, path, compressed, _) in results:
         assert not bad and path == "cuda_ipc" and stats.path == "cuda_ipc"
     assert results[0][0].chunks_compressed >= 3 and results[0][0].wire_bytes < 0.75 * results[0][0].raw_bytes
 
@@ -253,15 +358,15 @@ def test_cuda_ipc_compressed_chunks_bit_exact(where):
 @gpu
 def test_gpu_routes_with_checksums_and_refusals_fall_back():
     spec = [([("w", "bfloat16", 4 * MiB, 9), ("x", "uint8", 4097, 10), ("y", "int64", 3, 11)], "cuda_into")]
-    (stats, (_, bad, path, _)), = run_rounds(spec, dict(ipc_checksum=True), ipc_checksum=True)
+    (stats, (_, bad, path, *_)), = run_rounds(spec, dict(ipc_checksum=True), ipc_checksum=True)
     assert not bad and stats.path == path == "ucx_cuda"
-    (stats, (_, bad, path, _)), = run_rounds(spec, dict(ipc_checksum=True), ipc_checksum=True, cuda_ucx="off")
+    (stats, (_, bad, path, *_)), = run_rounds(spec, dict(ipc_checksum=True), ipc_checksum=True, cuda_ucx="off")
     assert not bad and stats.path == path == "cuda_ipc"
     # a receiver whose UCX lacks the CUDA transports refuses the route for good: IPC, twice
     results = run_rounds(spec * 2, ucx_tls="tcp")
     assert all(not r[1] and s.path == r[2] == "cuda_ipc" for s, r in results)
     # both GPU routes refused: the same transfer goes as the chunk stream over UCX, still exact
-    (stats, (_, bad, path, _)), (stats2, (_, bad2, _, _)) = run_rounds(spec * 2, cuda_ipc="off", cuda_ucx="off")
+    (stats, (_, bad, path, *_)), (stats2, (_, bad2, *_)) = run_rounds(spec * 2, cuda_ipc="off", cuda_ucx="off")
     assert not bad and not bad2 and stats.path == path == "ucx" and stats2.path == "ucx"
 
 
@@ -302,18 +407,13 @@ def test_receiver_killed_mid_transfer_raises_on_the_sender(compression, route):
         task = asyncio.ensure_future(loop())
         await asyncio.sleep(0.5)
         os.kill(peer.pid, signal.SIGKILL)
-        t_kill = time.perf_counter()
-        try:
-            await asyncio.wait_for(task, deadline + 5)
-        finally:
-            elapsed = time.perf_counter() - t_kill
-        return elapsed
+        # A hang guard, not a speed check: past it, asyncio's own TimeoutError (not a typed
+        # p2p error) escapes and the test fails.
+        await asyncio.wait_for(task, deadline + 5)
 
     try:
-        t0 = time.perf_counter()
         with pytest.raises((p2p.PeerError, p2p.TransferTimeout)):
             asyncio.run(main())
-        assert time.perf_counter() - t0 < 0.5 + deadline + 5
     finally:
         peer.stop()
 
@@ -341,12 +441,12 @@ def test_sender_killed_mid_transfer_raises_on_the_receiver(route, path):
         task = asyncio.ensure_future(loop())
         await asyncio.sleep(0.5)
         proc.kill()
-        t_kill = time.perf_counter()
         try:
-            await asyncio.wait_for(task, deadline + 5)
+            # The typed error must come within the deadline (+1 s for the kill to land);
+            # otherwise asyncio's own TimeoutError escapes and the test fails.
+            await asyncio.wait_for(task, deadline + 1)
         finally:
             proc.join(10)
-            assert time.perf_counter() - t_kill < deadline + 1
 
     with pytest.raises((p2p.PeerError, p2p.TransferTimeout)):
         asyncio.run(main())

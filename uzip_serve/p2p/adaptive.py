@@ -50,7 +50,8 @@ class TransferStats:
     chunks_compressed: int = 0
     seconds: float = 0.0
     # Which data path carried it: "ucx" (the chunk stream), "ucx_cuda" (UCX moved the CUDA
-    # tensors GPU to GPU, same host) or "cuda_ipc" (our IPC handles, same host).
+    # tensors GPU to GPU, same host; "ucx_cuda_staged" on a receiver that took them through a
+    # GPU buffer into host memory or several GPUs) or "cuda_ipc" (our IPC handles, same host).
     path: str = "ucx"
     decisions: list[Decision] = dataclasses.field(default_factory=list)
 

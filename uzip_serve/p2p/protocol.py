@@ -30,11 +30,15 @@ MSG_TENSORS = 1  # a transfer of named tensors follows
 # an ACK-sized reply before anything else; ACK_IPC_REFUSED moves on to the next step.
 # FLAG_CUDA_UCX: a CUDA route offer (below) follows the manifest; on ACK_OK every tensor
 #   travels as UCX messages straight from the sender's GPU memory into the receiver's.
+# FLAG_CUDA_UCX_EAGER (only with FLAG_CUDA_UCX): the payload follows the offer at once, no
+#   go-ahead is awaited. A sender sets it only after this receiver answered an earlier offer
+#   ACK_OK with ACK_STANDING; the receiver then takes the payload whatever its destination.
 # FLAG_CUDA_IPC: an IPC offer (below) follows (after the refused CUDA route offer, if both).
 # Neither accepted: the ordinary chunk stream.
 FLAG_CUDA_IPC = 1
 FLAG_CUDA_UCX = 2
-KNOWN_FLAGS = FLAG_CUDA_IPC | FLAG_CUDA_UCX
+FLAG_CUDA_UCX_EAGER = 4
+KNOWN_FLAGS = FLAG_CUDA_IPC | FLAG_CUDA_UCX | FLAG_CUDA_UCX_EAGER
 
 # magic, version, msg type, flags, manifest bytes, chunks, chunk bytes, transfer id
 TRANSFER_HEADER = struct.Struct("<4sHHIIIQQ")
@@ -53,6 +57,9 @@ ACK_PROTOCOL = 2  # the transfer broke the protocol or did not fit the destinati
 # can take that route either, so the sender stops offering it.
 ACK_IPC_REFUSED = 3
 ACK_REFUSED_FOR_GOOD = 1
+# Second field of ACK_OK to a CUDA route offer: a standing go-ahead. Later transfers of this
+# endpoint may send the payload without asking (FLAG_CUDA_UCX_EAGER), saving a round trip.
+ACK_STANDING = 2
 
 CODEC_RAW = 0  # payload is the raw bytes
 CODEC_UZIP = 1  # payload is one uzip frame (docs/format.md) of the chunk, checksummed inside
@@ -98,6 +105,8 @@ class TransferHeader:
             raise ProtocolError(f"unknown message type {msg}")
         if flags & ~KNOWN_FLAGS:
             raise ProtocolError(f"unknown transfer flags 0x{flags:x}")
+        if flags & FLAG_CUDA_UCX_EAGER and not flags & FLAG_CUDA_UCX:
+            raise ProtocolError("an eager CUDA route payload without a CUDA route offer")
         if mbytes > max_manifest_bytes:
             raise ProtocolError(f"manifest of {mbytes} bytes exceeds the limit {max_manifest_bytes}")
         if chunk_bytes < 64 or chunk_bytes % 64:

@@ -113,6 +113,21 @@ def _gpu_codec():
         return None
 
 
+def _uses_cuda(into, device) -> bool:
+    """Whether this receiving process works on a GPU (CUDA destinations, or CUDA in use)."""
+    if into is not None and any(t.is_cuda for t in into.values()):
+        return True
+    return (device is not None and torch.device(device).type == "cuda") or torch.cuda.is_initialized()
+
+
+async def _load_gpu_codec(gpu, device_index: int | None, executor) -> None:
+    """Loads the GPU codec before a transfer's first deadline-bound step: its first load on a
+    machine compiles for tens of seconds (CudaCodec.load), which inside the transfer made the
+    peer's deadline (10 s by default) expire on the first compressed transfer of a process."""
+    if gpu is not None and device_index is not None and not gpu.loaded(device_index):
+        await asyncio.get_running_loop().run_in_executor(executor, gpu.load, device_index)
+
+
 def _typed(data: torch.Tensor, dtype: str) -> torch.Tensor:
     """Reinterprets raw bytes as the chunk's dtype so the codec sees the real element layout."""
     itemsize = fmt.dtype_by_name(dtype).itemsize
@@ -155,6 +170,8 @@ async def send_tensors(channel: Channel, tensors, *, config: TransportConfig, po
     cap = fmt.max_compressed_size(config.chunk_bytes, "uint8")
     staging: list[bytearray] = []  # made when the chunk stream starts: bytearray() zero-fills (ms per MiB-scale buffer)
     gpu_codec = _gpu_codec() if any(f.is_cuda for f in flats) else None
+    if gpu_codec is not None and config.compression != "off":
+        await _load_gpu_codec(gpu_codec, next(f.device.index for f in flats if f.is_cuda), executor)
 
     def encode(k: int) -> _Encoded:
         chunk = chunks[k]
@@ -193,16 +210,23 @@ async def send_tensors(channel: Channel, tensors, *, config: TransportConfig, po
 
         use_route = not ipc_send.wants_chunks(ipc_policy or policy, gpu_codec, stats.raw_bytes, config)
     flags = (proto.FLAG_CUDA_IPC if use_ipc else 0) | (proto.FLAG_CUDA_UCX if use_route else 0)
-    await channel.send(proto.TransferHeader(len(manifest), num_chunks, config.chunk_bytes, transfer_id, flags).pack())
+    if use_route and cuda_route.standing:
+        flags |= proto.FLAG_CUDA_UCX_EAGER
+    posted = [channel.send(proto.TransferHeader(len(manifest), num_chunks, config.chunk_bytes, transfer_id,
+                                                flags).pack())]
     if manifest:
-        await channel.send(manifest)
+        posted.append(channel.send(manifest))
     done = None
     if use_route:
         from uzip_serve.p2p import ucx_cuda
 
+        # The route's offer is posted behind these before they are awaited: one fewer wait.
         done = await ucx_cuda.send(channel, entries, flats, config=config, policy=ipc_policy or policy,
-                                   route=cuda_route, stream=stream)
+                                   route=cuda_route, stream=stream, posted=posted)
         # None: refused (a host destination, say); the IPC offer or the chunk stream follows
+    else:
+        for sent in posted:
+            await sent
     if done is None and use_ipc:
         from uzip_serve.p2p import ipc_send
 
@@ -331,7 +355,7 @@ async def recv_tensors(channel: Channel, *, config: TransportConfig, executor: E
     finally:
         await relay.drain()
     await channel.send(proto.ACK.pack(proto.ACK_OK, 0))
-    await relay.acks()
+    await relay.acks(result[0])
     return result
 
 
@@ -342,7 +366,13 @@ class _Relay:
 
     def __init__(self, channels: Sequence[Channel]):
         self.channels = list(channels)
+        self.held: list[Channel] = []  # forwarded whole once received, not cut through
         self.inflight: list[asyncio.Future] = []
+
+    def hold(self) -> None:
+        """Store and forward instead: the transfer goes on, as one transfer of its own per
+        downstream endpoint, once it is received whole (see acks)."""
+        self.held, self.channels = self.channels, []
 
     def pass_on(self, buf) -> list[asyncio.Future]:
         futs = [asyncio.ensure_future(c.send(buf)) for c in self.channels]
@@ -354,7 +384,9 @@ class _Relay:
             await asyncio.gather(*self.inflight)
             self.inflight.clear()
 
-    async def acks(self) -> None:
+    async def acks(self, tensors) -> None:
+        if self.held:  # ucx.Endpoints: the only channels a held (eager CUDA route) transfer has
+            await asyncio.gather(*(c.send_tensors(tensors) for c in self.held))
         for c in self.channels:
             ack = bytearray(proto.ACK.size)
             await c.recv(ack)
@@ -366,12 +398,19 @@ class _Relay:
 async def _recv_tensors(channel, config, executor, into, relay: _Relay, ipc=None, stream=None, device=None,
                         cuda_route=None):
     loop = asyncio.get_running_loop()
+    if config.compression != "off" and _uses_cuda(into, device):  # compressed chunks get decoded on the GPU
+        await _load_gpu_codec(_gpu_codec(), torch.cuda.current_device(), executor)
     t_start = time.perf_counter()
     head = bytearray(proto.TRANSFER_HEADER.size)
     await channel.recv(head)
     header = proto.TransferHeader.unpack(head, max_manifest_bytes=config.max_manifest_bytes)
-    gpu_flags = proto.FLAG_CUDA_IPC | proto.FLAG_CUDA_UCX
-    if header.flags & gpu_flags and relay.channels:
+    gpu_flags = proto.FLAG_CUDA_IPC | proto.FLAG_CUDA_UCX | proto.FLAG_CUDA_UCX_EAGER
+    eager = bool(header.flags & proto.FLAG_CUDA_UCX_EAGER)
+    if eager and relay.channels:
+        # An eager CUDA route payload is on its way: nothing downstream can be cut through.
+        # The whole transfer is taken first, then sent on (_Relay.hold).
+        relay.hold()
+    elif header.flags & gpu_flags and relay.channels:
         # Downstream peers get the chunk stream this receiver asks for, never an offer.
         relay.pass_on(dataclasses.replace(header, flags=header.flags & ~gpu_flags).pack())
     else:
@@ -391,7 +430,8 @@ async def _recv_tensors(channel, config, executor, into, relay: _Relay, ipc=None
         from uzip_serve.p2p import ucx_cuda
 
         got = await ucx_cuda.recv(channel, entries, config=config, route=cuda_route,
-                                  relaying=bool(relay.channels), into=into, stream=stream, device=device)
+                                  relaying=bool(relay.channels), into=into, stream=stream, device=device,
+                                  eager=eager)
         # None: refused; the sender goes on with the IPC offer or the chunk stream
     if got is None and header.flags & proto.FLAG_CUDA_IPC:
         from uzip_serve.p2p import ipc_send

@@ -7,10 +7,16 @@ beat our own IPC handle exchange (whose fixed cost, a fresh torch export per tra
 
     sender                                   receiver
     header, manifest, CudaRouteOffer  ->
-                                      <-     ACK_OK or ACK_IPC_REFUSED
+                                      <-     ACK_OK (+ ACK_STANDING) or ACK_IPC_REFUSED
     one UCX message per tensor (small
     ones batched), straight from GPU  ->     straight into the destination tensors
                                       <-     final ACK (after digests, if offered)
+
+The go-ahead is asked for once per endpoint: a receiver that accepted grants a standing one,
+and later transfers set FLAG_CUDA_UCX_EAGER and post the payload right behind the offer. At
+~1 TB/s a round trip of the event loops (0.3 ms measured) costs as much as the copy of a
+quarter GiB. An eager payload cannot be refused, so a receiver whose destination is not on
+one GPU takes it through a GPU buffer of its own and copies it on.
 
 UCX copies on streams of its own, outside the callers' streams, so each side first waits
 (asynchronously) for its caller's stream: the sender for the writes into its tensors, the
@@ -23,6 +29,7 @@ UCX) costs one round trip; the refusals that no later transfer can change are re
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable
@@ -33,7 +40,7 @@ import torch
 from uzip_serve.p2p import cuda_ipc
 from uzip_serve.p2p import protocol as proto
 from uzip_serve.p2p.adaptive import AdaptivePolicy, Decision, TransferStats
-from uzip_serve.p2p.errors import ChecksumError
+from uzip_serve.p2p.errors import ChecksumError, ProtocolError
 from uzip_serve.p2p.ipc_send import MIN_LINK_SAMPLE, _raise_for, _stream_for
 from uzip_serve.p2p.split_send import _flat_bytes
 
@@ -57,6 +64,7 @@ class Route:
 
     def __init__(self):
         self.refused = False  # the peer refused for good: offer it no more
+        self.standing = False  # the peer granted a standing go-ahead: send eagerly
 
 
 def _bufs(flats, messages, *, make_batch):
@@ -67,21 +75,23 @@ def _bufs(flats, messages, *, make_batch):
 # ---- sender -------------------------------------------------------------------------------
 
 async def send(channel: BulkChannel, entries, flats, *, config, policy: AdaptivePolicy, route: Route,
-               stream) -> TransferStats | None:
-    """Offers the CUDA route for tensors on one GPU. Returns the stats, or None if the peer
-    refused (the caller goes on with the next step of the same transfer)."""
-    return await _send(channel, entries, flats, config=config, policy=policy, route=route, stream=stream)
-
-
-async def _send(channel, entries, flats, *, config, policy, route, stream):
+               stream, posted=()) -> TransferStats | None:
+    """Offers the CUDA route for tensors on one GPU (eagerly where the peer granted a standing
+    go-ahead: the header then says so). Returns the stats, or None if the peer refused (the
+    caller goes on with the next step of the same transfer). `posted`: the header's and the
+    manifest's sends, in flight; awaited here, after the offer is posted behind them."""
     dev = next(f.device for f in flats if f.numel()).index
     stream = _stream_for(stream, dev)
     total = sum(e.nbytes for e in entries)
     messages = proto.plan_cuda_messages(entries)
-    with torch.cuda.device(dev), torch.cuda.stream(stream):
-        digests = None
-        if config.ipc_checksum:
+    eager = route.standing
+    digests = None
+    if config.ipc_checksum:
+        with torch.cuda.device(dev), torch.cuda.stream(stream):
             digests = tuple(cuda_ipc.digest(f) if f.numel() else 0 for f in flats)
+    # The offer goes first: the receiver's checks overlap this side's preparation.
+    offered = channel.send(proto.CudaRouteOffer(cuda_ipc.host_id(), digests).pack(len(entries)))
+    with torch.cuda.device(dev), torch.cuda.stream(stream):
         # detach: UCX takes the buffers through __cuda_array_interface__, which torch refuses
         # for tensors that require grad (model parameters). Batches are gathered on the
         # caller's stream, after its writes.
@@ -89,19 +99,20 @@ async def _send(channel, entries, flats, *, config, policy, route, stream):
         bufs = _bufs(flats, messages, make_batch=lambda m: torch.cat([flats[i] for i in m]))
         ready = torch.cuda.Event()
         ready.record(stream)
-    # The offer goes first: the receiver's checks overlap with this side's wait for the GPU.
-    await channel.send(proto.CudaRouteOffer(cuda_ipc.host_id(), digests).pack(len(entries)))
+    for sent in (*posted, offered):
+        await sent
     await cuda_ipc.wait_event(ready, config.deadline_s, "CUDA route: the caller's writes")
-    status, detail = await _reply(channel)
-    if status == proto.ACK_IPC_REFUSED:
-        if detail == proto.ACK_REFUSED_FOR_GOOD:
-            route.refused = True
-            logger.info("peer refused the CUDA route for good; this endpoint will not offer it again")
-        return None
-    _raise_for(status)
+    if not eager:
+        status, detail = await _reply(channel)
+        if status == proto.ACK_IPC_REFUSED:
+            if detail == proto.ACK_REFUSED_FOR_GOOD:
+                route.refused = True
+                logger.info("peer refused the CUDA route for good; this endpoint will not offer it again")
+            return None
+        _raise_for(status)
+        route.standing = detail == proto.ACK_STANDING
     t0 = time.perf_counter()
-    await channel.send_many(bufs)
-    _raise_for((await _reply(channel))[0])
+    await _payload(channel, bufs)
     if total >= MIN_LINK_SAMPLE:
         policy.observe_link(total, time.perf_counter() - t0)
     if policy.mode == "on":  # only without a GPU codec: the caller compresses otherwise
@@ -110,9 +121,33 @@ async def _send(channel, entries, flats, *, config, policy, route, stream):
         decision = policy.decide(total, None)
     stats = TransferStats(raw_bytes=total, wire_bytes=total, chunks=len(messages), path="ucx_cuda",
                           decisions=[decision])
-    logger.debug("CUDA route: %d tensors, %.1f MB in %d messages (%s)", len(entries), total / 1e6, len(messages),
-                 decision.reason)
+    logger.debug("CUDA route%s: %d tensors, %.1f MB in %d messages (%s)", " (eager)" if eager else "",
+                 len(entries), total / 1e6, len(messages), decision.reason)
     return stats
+
+
+async def _payload(channel, bufs) -> None:
+    """Sends the payload and takes the final ACK. The ACK's receive is posted with the payload:
+    a receiver that failed before taking it (say, an `into` that does not fit) is heard at
+    once, not after a deadline of payload sends that nobody will match."""
+    sending = asyncio.ensure_future(channel.send_many(bufs))
+    reply = asyncio.ensure_future(_reply(channel))
+    try:
+        await asyncio.wait((sending, reply), return_when=asyncio.FIRST_COMPLETED)
+        if reply.done():
+            _raise_for(reply.result()[0])
+        await sending
+        _raise_for((await reply)[0])
+    finally:
+        for f in (sending, reply):
+            if not f.done():
+                f.cancel()
+                f.add_done_callback(_retrieve)
+
+
+def _retrieve(fut) -> None:
+    if not fut.cancelled():
+        fut.exception()
 
 
 async def _reply(channel) -> tuple[int, int]:
@@ -123,72 +158,96 @@ async def _reply(channel) -> tuple[int, int]:
 
 # ---- receiver -----------------------------------------------------------------------------
 
-def _destination(offer, route, config, relaying, entries, into, device):
-    """(the GPU the tensors go to, None, _) or (None, why the route is refused, whether no
-    later transfer of this endpoint can take it either)."""
-    if route is None or config.cuda_ucx == "off":
-        return None, "the CUDA route is off here, or UCX here lacks the CUDA transports (UCX_TLS)", True
-    if offer.host_id != cuda_ipc.host_id():
-        return None, "another host: the chunk stream can compress", True
-    if relaying:
-        return None, "this receiver relays: downstream peers get the chunk stream", False
+def _one_gpu(entries, into, device) -> torch.device | None:
+    """The GPU every destination tensor is (or will be) on, or None."""
     if into is not None:
         devices = {into[e.name].device for e in entries if e.nbytes}
     else:
         devices = {torch.device(device) if device is not None else torch.device("cpu")}
     if len(devices) != 1 or next(iter(devices)).type != "cuda":
-        return None, "the destination is not on one GPU", False
+        return None
     dest = next(iter(devices))
-    return (dest if dest.index is not None else torch.device("cuda", torch.cuda.current_device())), None, False
+    return dest if dest.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+def _refusal(offer, route, config, relaying: bool, on_one_gpu: bool) -> tuple[str | None, bool]:
+    """(why the route is refused, whether no later transfer of this endpoint can take it
+    either), or (None, _) to take it."""
+    if route is None or config.cuda_ucx == "off":
+        return "the CUDA route is off here, or UCX here lacks the CUDA transports (UCX_TLS)", True
+    if offer.host_id != cuda_ipc.host_id():
+        return "another host: the chunk stream can compress", True
+    if relaying:
+        return "this receiver relays: downstream peers get the chunk stream", False
+    if not on_one_gpu:
+        return "the destination is not on one GPU", False
+    return None, False
 
 
 async def recv(channel: BulkChannel, entries, *, config, route: Route | None, relaying: bool, into, stream,
-               device):
-    """Takes (or refuses) the CUDA route. Returns (tensors, stats), or None after refusing."""
+               device, eager: bool = False):
+    """Takes (or refuses) the CUDA route. Returns (tensors, stats), or None after refusing.
+    `eager` (FLAG_CUDA_UCX_EAGER): the payload is already coming; it is taken whatever the
+    destination, through a GPU buffer if that is not on one GPU (a relaying caller forwards
+    the received tensors afterwards)."""
     buf = bytearray(proto.CudaRouteOffer.nbytes(len(entries)))
     await channel.recv(buf)
     offer = proto.CudaRouteOffer.unpack(buf, len(entries))
-    dev_obj, why, for_good = _destination(offer, route, config, relaying, entries, into, device)
+    dest = _one_gpu(entries, into, device)
+    # An eager payload can be staged (any destination) and forwarded afterwards (relaying).
+    why, for_good = _refusal(offer, route, config, relaying=relaying and not eager,
+                             on_one_gpu=eager or dest is not None)
+    if eager and why is not None:
+        raise ProtocolError(f"an eager CUDA route payload this side never agreed to take: {why}")
     if why is not None:
         logger.info("CUDA route refused: %s", why)
         await channel.send(proto.ACK.pack(proto.ACK_IPC_REFUSED, proto.ACK_REFUSED_FOR_GOOD if for_good else 0))
         return None
-    # The go-ahead leaves before the destination is prepared, so that this side's work
-    # overlaps the sender's: UCX moves no byte into our memory before a receive is
-    # posted for it (a rendezvous waits in UCX's queue; an eager message is copied out
-    # of UCX's buffer when the receive is posted).
-    await channel.send(proto.ACK.pack(proto.ACK_OK, 0))
-    return await _recv(channel, entries, offer, dev_obj, config=config, into=into, stream=stream)
+    if not eager:
+        # The go-ahead leaves before the destination is prepared, so that this side's work
+        # overlaps the sender's: UCX moves no byte into our memory before a receive is
+        # posted for it (a rendezvous waits in UCX's queue; an eager message is copied out
+        # of UCX's buffer when the receive is posted). It stands for later transfers: this
+        # side can take any of them (staging through its GPU where it must).
+        await channel.send(proto.ACK.pack(proto.ACK_OK, proto.ACK_STANDING))
+    return await _recv(channel, entries, offer, dest, config=config, into=into, stream=stream, device=device)
 
 
-async def _recv(channel, entries, offer, dev_obj, *, config, into, stream):
-    dev = dev_obj.index
-    stream = _stream_for(stream, dev)
+async def _recv(channel, entries, offer, dest, *, config, into, stream, device):
+    # staged: the destination is not on one GPU (host memory, several GPUs), so every message
+    # lands in a buffer on this process's current GPU and is copied on from there.
+    staged = dest is None
+    gpu = dest if not staged else torch.device("cuda", torch.cuda.current_device())
+    stream = _stream_for(stream, gpu.index)
     messages = proto.plan_cuda_messages(entries)
-    with torch.cuda.device(dev), torch.cuda.stream(stream):
+    with torch.cuda.device(gpu), torch.cuda.stream(stream):
         if into is not None:
             outputs = {e.name: into[e.name] for e in entries}
         else:
-            outputs = {e.name: torch.empty(e.shape, dtype=getattr(torch, e.dtype), device=dev_obj) for e in entries}
+            home = gpu if not staged else (torch.device(device) if device is not None else torch.device("cpu"))
+            outputs = {e.name: torch.empty(e.shape, dtype=getattr(torch, e.dtype), device=home) for e in entries}
         flats = [_flat_bytes(outputs[e.name].detach()) for e in entries]
-        bufs = _bufs(flats, messages, make_batch=lambda m: torch.empty(sum(entries[i].nbytes for i in m),
-                                                                       dtype=torch.uint8, device=dev_obj))
+        bufs = [flats[m[0]] if len(m) == 1 and not staged else
+                torch.empty(sum(entries[i].nbytes for i in m), dtype=torch.uint8, device=gpu) for m in messages]
         ready = torch.cuda.Event()
         ready.record(stream)
     # UCX writes outside the caller's stream: work queued there on these tensors (or on the
     # memory the allocator just handed out) must be done first.
     await cuda_ipc.wait_event(ready, config.deadline_s, "CUDA route: earlier work on the destination")
     await channel.recv_many(bufs)
-    with torch.cuda.device(dev), torch.cuda.stream(stream):
+    with torch.cuda.device(gpu), torch.cuda.stream(stream):
         for m, b in zip(messages, bufs):
-            if len(m) > 1:  # scatter a batch into its tensors, on the caller's stream
-                at = 0
-                for i in m:
-                    flats[i].copy_(b[at:at + entries[i].nbytes], non_blocking=True)
-                    at += entries[i].nbytes
+            if len(m) == 1 and not staged:
+                continue
+            at = 0  # scatter a batch (or a staged message) into its tensors, on the caller's stream
+            for i in m:
+                # into host memory: a blocking copy, so the tensors are whole when returned
+                flats[i].copy_(b[at:at + entries[i].nbytes], non_blocking=flats[i].is_cuda)
+                at += entries[i].nbytes
         if offer.digests is not None:
             for i, e in enumerate(entries):
                 if e.nbytes and cuda_ipc.digest(flats[i]) != offer.digests[i]:
                     raise ChecksumError(f"tensor {e.name!r}: CUDA route digest mismatch")
     total = sum(e.nbytes for e in entries)
-    return outputs, TransferStats(raw_bytes=total, wire_bytes=total, chunks=len(messages), path="ucx_cuda")
+    path = "ucx_cuda" if not staged else "ucx_cuda_staged"
+    return outputs, TransferStats(raw_bytes=total, wire_bytes=total, chunks=len(messages), path=path)
