@@ -236,3 +236,50 @@ def test_sync_facade():
         assert stats.raw_bytes == x["x"].nbytes
     finally:
         peer.stop()
+
+
+def _adopting_sender(port, q):
+    """p2p.use_running_loop() in a process of its own: it binds the process's UCX to this loop."""
+    import threading
+
+    from uzip_serve.p2p import loop
+
+    async def main():
+        p2p.use_running_loop()
+        ep = await p2p.connect("127.0.0.1", port)
+        x = {"x": torch.randn(300_000).to(torch.bfloat16)}
+        await ep.send_tensors(x)
+        await ep.close()
+        threads = [t.name for t in threading.enumerate()]
+        return loop.ucx_loop() is asyncio.get_running_loop(), "uzip-p2p-loop" in threads, digest(x["x"])
+
+    try:
+        on_this_loop, p2p_thread, sent = asyncio.run(main())
+        try:  # UCX now lives on that (closed) loop: adopting another one must be refused
+            asyncio.run(_adopt())
+            refused = None
+        except RuntimeError as e:
+            refused = str(e)
+        q.put(("sender", on_this_loop, p2p_thread, sent, refused))
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        q.put(("error", type(e).__name__, traceback.format_exc()))
+
+
+async def _adopt():
+    p2p.use_running_loop()
+
+
+def test_use_running_loop_runs_transfers_on_the_callers_loop():
+    peer = Peer(rounds=1)
+    try:
+        proc = CTX.Process(target=_adopting_sender, args=(peer.port, peer.q), daemon=True)
+        proc.start()
+        msgs = [peer.get(), peer.get()]
+        proc.join(30)
+        (_, got, _), = [m for m in msgs if m[0] == "got"]
+        (_, on_this_loop, p2p_thread, sent, refused), = [m for m in msgs if m[0] == "sender"]
+        assert on_this_loop and not p2p_thread  # no dedicated loop thread, hence no hop
+        assert got["x"][2] == sent
+        assert refused is not None and "use_running_loop" in refused
+    finally:
+        peer.stop()

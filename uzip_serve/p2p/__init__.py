@@ -8,7 +8,9 @@ Async (preferred; any event loop: the work runs on the process's UCX loop)::
     stats = await ep.send_tensors({"w": w})      # on one side
     tensors = await (await listener.accept()).recv_tensors()   # on the other
 
-Sync (plain threads): p2p.SyncListener, p2p.connect_sync. Wire protocol: docs/p2p.md.
+Sync (plain threads): p2p.SyncListener, p2p.connect_sync. An application with one long-lived
+loop may call `p2p.use_running_loop()` first: its calls then skip the hop to the UCX loop's
+thread. Wire protocol: docs/p2p.md.
 ucxx is imported on first use, not by `import uzip_serve.p2p`.
 """
 
@@ -19,7 +21,7 @@ from uzip_serve.p2p.errors import ChecksumError, PeerError, ProtocolError, Trans
 __all__ = [
     "AdaptivePolicy", "ChecksumError", "Decision", "Endpoint", "Listener", "PeerError", "ProtocolError",
     "SyncEndpoint", "SyncListener", "TransferError", "TransferStats", "TransferTimeout", "TransportConfig",
-    "connect", "connect_sync", "listen",
+    "connect", "connect_sync", "listen", "use_running_loop",
 ]
 
 
@@ -32,6 +34,10 @@ def __getattr__(name):
         from uzip_serve.p2p import sync
 
         return getattr(sync, name)
+    if name == "use_running_loop":
+        from uzip_serve.p2p import loop
+
+        return loop.use_running_loop
     if name == "connect_sync":
         from uzip_serve.p2p import sync
 

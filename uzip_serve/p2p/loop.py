@@ -24,6 +24,22 @@ def ucx_loop() -> asyncio.AbstractEventLoop:
         return _loop
 
 
+def use_running_loop() -> None:
+    """Makes the calling coroutine's loop this process's UCX loop: its transfers then run
+    without the two thread hops of a call from another loop (~0.1 ms each measured on the
+    H200's host, a third of a 256 MiB GPU-to-GPU transfer). For an application with one
+    long-lived loop; call it before the first endpoint or listener, and keep the loop running
+    while P2P is used (one `asyncio.run` per transfer would leave UCX on a closed loop).
+    Plain threads may still use the sync facade: their calls hop onto this loop."""
+    global _loop
+    running = asyncio.get_running_loop()
+    with _lock:
+        if _loop is not None and _loop is not running:
+            raise RuntimeError("the P2P loop is already another event loop (an endpoint, listener or sync "
+                               "call came first): call use_running_loop() before any of them")
+        _loop = running
+
+
 def on_ucx_loop(coro):
     """An awaitable for `coro` run on the UCX loop (the coroutine itself when already there)."""
     loop = ucx_loop()
