@@ -120,6 +120,7 @@ def _stream(stream):
 
 
 _STREAMS: dict = {}
+_LOADED: set[int] = set()
 
 
 def _u64(x: int):
@@ -173,6 +174,19 @@ def _header_words(dt: fmt.DType, shape, numel, block_elems, substream) -> tuple:
 
 class CudaCodec:
     name = "cuda"
+
+    @staticmethod
+    def loaded(device_index: int) -> bool:
+        """Whether the kernels are compiled and loaded on that device (see load)."""
+        return device_index in _LOADED
+
+    @staticmethod
+    def load(device_index: int) -> None:
+        """Compiles (NVRTC; CuPy caches the binary on disk) and loads the kernels on a device.
+        The first time on a machine this takes tens of seconds: callers with deadlines (the P2P
+        paths) do it before their first deadline-bound step, not inside it."""
+        _module(device_index)
+        _LOADED.add(device_index)
 
     # ---- compress ----
 

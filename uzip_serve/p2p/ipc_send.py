@@ -245,6 +245,8 @@ async def recv(channel, entries, header, *, config, importer: cuda_ipc.Importer 
         await cuda_ipc.wait_event(done, config.deadline_s, "CUDA IPC copy")
         stats.wire_bytes = total
     else:
+        # A first load compiles; better before the go-ahead than between the sender's chunks.
+        await split._load_gpu_codec(split._gpu_codec(), dev, executor)
         await channel.send(proto.ACK.pack(proto.ACK_OK, 0))  # accepted: chunk headers follow
         await _recv_chunked(channel, entries, offer, flats, stats, importer, mapped, dev, stream, config, executor)
     if offer.checksums:
