@@ -87,7 +87,7 @@ def _warm_codec():
         print("GPU codec warm-up failed:", e, flush=True)
 
 
-def _our_receiver(q, port_q, cfg, sizes, dest, reps):
+def _our_receiver(q, port_q, cfg, sizes, dest, reps, own_loop=False):
     import torch
 
     from uzip_serve import p2p
@@ -96,6 +96,8 @@ def _our_receiver(q, port_q, cfg, sizes, dest, reps):
         _warm_codec()
 
     async def main():
+        if own_loop:
+            p2p.use_running_loop()
         lst = await p2p.listen(0, p2p.TransportConfig(**cfg))
         port_q.put(lst.port)
         ep = await lst.accept(timeout=120)
@@ -104,8 +106,13 @@ def _our_receiver(q, port_q, cfg, sizes, dest, reps):
                 into = {"w": torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")}
             else:
                 into = {"w": torch.empty(nbytes // 2, dtype=torch.bfloat16, pin_memory=True)}
-            for _ in range(reps[nbytes] + 2):
+            prof = _LoopProfile("receiver") if nbytes == max(sizes) else None
+            for i in range(reps[nbytes] + 2):
+                if prof and i == 2:
+                    prof.start()
                 await ep.recv_tensors(into=into)
+            if prof:
+                prof.stop()
             ok = torch.equal(into["w"].cuda().view(torch.int16), _src(nbytes).view(torch.int16))
             q.put(("checked", nbytes, ok))
         await ep.close()
@@ -114,6 +121,38 @@ def _our_receiver(q, port_q, cfg, sizes, dest, reps):
 
 
 _MARKS: list = []
+
+
+class _LoopProfile:
+    """Diagnosis (UZIP_BENCH_PROFILE=1): cProfile of the UCX loop's thread, where every
+    transfer runs, around the timed transfers of the largest size; printed by tottime."""
+
+    def __init__(self, who: str):
+        import cProfile
+
+        from uzip_serve.p2p.loop import ucx_loop
+
+        self.who, self.prof, self.loop = who, cProfile.Profile(), ucx_loop()
+        self.on = os.environ.get("UZIP_BENCH_PROFILE") == "1"
+
+    def start(self):
+        if self.on:
+            asyncio.run_coroutine_threadsafe(self._call(self.prof.enable), self.loop).result()
+
+    def stop(self):
+        if not self.on:
+            return
+        import io
+        import pstats
+
+        asyncio.run_coroutine_threadsafe(self._call(self.prof.disable), self.loop).result()
+        text = io.StringIO()
+        pstats.Stats(self.prof, stream=text).sort_stats("tottime").print_stats(28)
+        print(f"---- profile of the UCX loop thread, {self.who}\n" + text.getvalue(), flush=True)
+
+    @staticmethod
+    async def _call(fn):
+        fn()
 
 
 def _trace_messages() -> list:
@@ -127,9 +166,14 @@ def _trace_messages() -> list:
     def wrap(name):
         orig = getattr(ucx.Endpoint, name)
 
-        async def traced(self, buf):
-            await orig(self, buf)
-            _MARKS.append((name, time.perf_counter()))
+        def traced(self, buf):
+            posted = orig(self, buf)  # send/recv post when called: keep that
+
+            async def completed():
+                await posted
+                _MARKS.append((name, time.perf_counter()))
+
+            return completed()
 
         setattr(ucx.Endpoint, name, traced)
 
@@ -149,7 +193,8 @@ def _timeline(runs) -> str:
 
 
 def bench_ours(sizes, compression, dest="cuda", cuda_ipc="auto", cuda_ucx="auto", progress="blocking",
-               trace=False):
+               trace=False, own_loop=False):
+    """own_loop: both sides call p2p.use_running_loop() (a fresh process only: it binds UCX)."""
     from uzip_serve import p2p
 
     cfg = dict(compression=compression, cuda_ipc=cuda_ipc, cuda_ucx=cuda_ucx, deadline_s=60,
@@ -160,25 +205,33 @@ def bench_ours(sizes, compression, dest="cuda", cuda_ipc="auto", cuda_ucx="auto"
     fast = compression != "on" and dest == "cuda" and "auto" in (cuda_ipc, cuda_ucx)
     reps = {n: _reps(n, fast) for n in sizes}
     q, port_q = _ctx().Queue(), _ctx().Queue()
-    proc = _ctx().Process(target=_our_receiver, args=(q, port_q, cfg, sizes, dest, reps), daemon=True)
+    proc = _ctx().Process(target=_our_receiver, args=(q, port_q, cfg, sizes, dest, reps, own_loop),
+                          daemon=True)
     proc.start()
     out = {}
     try:
         port = port_q.get(timeout=120)
 
         async def main():
+            if own_loop:
+                p2p.use_running_loop()
             ep = await p2p.connect("127.0.0.1", port, p2p.TransportConfig(**cfg))
             for nbytes in sizes:
                 src = {"w": _src(nbytes)}
                 _warm_gpu()
                 times, stats, runs = [], None, []
+                prof = _LoopProfile("sender") if nbytes == max(sizes) else None
                 for i in range(reps[nbytes] + 2):
+                    if prof and i == 2:
+                        prof.start()
                     marks.clear()
                     t0 = time.perf_counter()
                     stats = await ep.send_tensors(src)
                     if i >= 2:  # two warm-ups: mapping opened, staging allocated, codec compiled
                         times.append(time.perf_counter() - t0)
                         runs.append([(name, t - t0) for name, t in marks])
+                if prof:
+                    prof.stop()
                 _, _, ok = q.get(timeout=300)
                 med = statistics.median(times)
                 out[nbytes] = {"gbps": nbytes / med / 1e9, "median_s": med, "min_s": min(times), "exact": bool(ok),
@@ -467,12 +520,26 @@ def plot(results, sizes, path: Path):
     fig.savefig(path, dpi=120)
 
 
+def _mean_reference(first, again, sizes) -> dict:
+    """Per size, the reference at the mean of its two median times (either alone if one is missing)."""
+    out = {}
+    for n in sizes:
+        runs = [r[n] for r in (first, again) if n in r]
+        if runs:
+            t = statistics.mean(r["median_s"] for r in runs)
+            c = statistics.mean(r["copy_only_s"] for r in runs)
+            out[n] = {"gbps": n / t / 1e9, "median_s": t, "copy_only_gbps": n / c / 1e9, "copy_only_s": c,
+                      "exact": all(r["exact"] for r in runs), "runs_gbps": [r["gbps"] for r in runs]}
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes-mib", type=int, nargs="+", default=[16, 256, 1024])
     ap.add_argument("--out", default="docs/benchmarks")
     ap.add_argument("--diagnose", action="store_true")
     ap.add_argument("--plain-child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--own-loop-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--skip", nargs="*", default=[])
     ap.add_argument("--progress", default="blocking", help="ucxx progress mode of our endpoints")
     ap.add_argument("--trace", action="store_true", help="also print when each message completes (sender)")
@@ -480,6 +547,10 @@ def main():
     sizes = [s * MiB for s in args.sizes_mib]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.own_loop_child:
+        r = bench_ours(sizes, "off", progress=args.progress, own_loop=True)
+        print("RESULT " + json.dumps({str(k): v for k, v in r.items()}), flush=True)
+        return
     if args.plain_child:
         mode = None if args.plain_child == "default" else args.plain_child
         r = bench_plain_ucxx(sizes, mode=mode)
@@ -493,13 +564,20 @@ def main():
         (out / "gpu_p2p_diag.json").write_text(json.dumps(results, indent=1, default=str))
         return
     ours = dict(progress=args.progress, trace=args.trace)
+    # The reference runs first and again after ours: on these shared machines it moved by 25%
+    # between runs, so ours is compared with both measurements around it (their mean time).
     runs = [
+        ("reference torch.mp IPC + copy_", lambda: bench_reference(sizes)),
         ("ours raw", lambda: bench_ours(sizes, "off", **ours)),
         ("ours adaptive", lambda: bench_ours(sizes, "auto", **ours)),
+        # In a process of its own: use_running_loop binds UCX to the loop that called it.
+        ("ours raw, callers on the P2P loop (use_running_loop)", lambda: _run_child_capture(
+            [sys.executable, "-m", "benchmarks.gpu_p2p", "--own-loop-child", "--progress", args.progress,
+             "--sizes-mib", *[str(s // MiB) for s in sizes]], out / "own_loop.log", timeout=300)),
         ("ours compressed", lambda: bench_ours(sizes, "on")),
         ("ours raw, IPC handles (CUDA route off)", lambda: bench_ours(sizes, "off", cuda_ucx="off", **ours)),
         ("ours raw, CUDA->CPU (pinned)", lambda: bench_ours(sizes, "off", dest="cpu")),
-        ("reference torch.mp IPC + copy_", lambda: bench_reference(sizes)),
+        ("reference torch.mp IPC + copy_, again", lambda: bench_reference(sizes)),
         ("plain ucxx as found (thread mode)", lambda: _run_child_capture(
             [sys.executable, "-m", "benchmarks.gpu_p2p", "--plain-child", "default", "--sizes-mib",
              *[str(s // MiB) for s in sizes]], out / "plain_ucxx_default.log", timeout=300)),
@@ -519,7 +597,9 @@ def main():
             results[name] = {"error": f"{type(e).__name__}: {e}"}
         # written after every method: a run stopped at the device call's limit keeps what it measured
         (out / "gpu_p2p.json").write_text(json.dumps(results, indent=1, default=str))
-    ref = results.get("reference torch.mp IPC + copy_", {})
+    ref = _mean_reference(results.get("reference torch.mp IPC + copy_", {}),
+                          results.get("reference torch.mp IPC + copy_, again", {}), sizes)
+    results["reference, mean of both"] = ref
     print("\n| method | " + " | ".join(f"{s // MiB} MiB" for s in sizes) + " |")
     print("|---|" + "---|" * len(sizes))
     for name, v in results.items():
@@ -528,7 +608,8 @@ def main():
         print(f"| {name} | " + " | ".join(f"{v[s]['gbps']:.1f}" for s in sizes) + " |")
     if all(s in ref for s in sizes):
         print(f"| reference copy_() alone | " + " | ".join(f"{ref[s]['copy_only_gbps']:.1f}" for s in sizes) + " |")
-        for name in ("ours raw", "ours adaptive", "ours raw, IPC handles (CUDA route off)"):
+        for name in ("ours raw", "ours adaptive", "ours raw, IPC handles (CUDA route off)",
+                     "ours raw, callers on the P2P loop (use_running_loop)"):
             v = results.get(name, {})
             if all(s in v for s in sizes):
                 print(f"{name} / reference: " + ", ".join(
