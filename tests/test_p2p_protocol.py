@@ -208,6 +208,22 @@ def test_adaptive_policy_flips_with_link_and_data():
     assert not AdaptivePolicy("off").decide(8 << 20, 0.1).compress
 
 
+def test_adaptive_policy_link_estimate_and_pipeline_fill():
+    p = AdaptivePolicy("auto")
+    p.observe_chunk_send(1 << 20, (1 << 20) / 0.3e9)  # a send into socket buffers: looks fast
+    assert p.link.value == pytest.approx(0.3e9)
+    p.observe_link(8 << 20, (8 << 20) / 0.125e9)  # end to end: replaces the chunk-send estimate
+    p.observe_chunk_send(1 << 20, (1 << 20) / 5e9)  # ignored from now on
+    assert p.link.value == pytest.approx(0.125e9) and p.link_measured
+    p.observe_compress(1 << 20, (1 << 20) / 0.4e9)
+    p.observe_decompress(1 << 20, (1 << 20) / 0.55e9)
+    # a long stream: the wire at 0.69 of the bytes sets the pace, compressing pays
+    assert p.decide(1 << 20, 0.69, chunks_in_transfer=64).compress
+    # one or two chunks: compression and decompression are not hidden (measured 1.24x raw)
+    assert not p.decide(1 << 20, 0.69, chunks_in_transfer=2).compress
+    assert not p.decide(1 << 20, 0.69, chunks_in_transfer=1).compress
+
+
 def test_cut_through_relay_forwards_every_chunk_unchanged():
     tensors = mixed_tensors(40, seed=9)
     config = TransportConfig(chunk_bytes=1 << 20, compression="on")

@@ -154,7 +154,7 @@ async def send(channel, items, entries, flats, *, config, policy: AdaptivePolicy
             if policy.needs_probe(chunk.nbytes):
                 sample = typed[: split.PROBE_BYTES // typed.element_size()]
                 probe = len(uz.compress(sample)) / max(1, sample.nbytes)
-            decision = policy.decide(chunk.nbytes, probe)
+            decision = policy.decide(chunk.nbytes, probe, chunks_in_transfer=len(chunks))
             if not decision.compress:
                 return proto.ChunkHeader(k, proto.CODEC_RAW, chunk.nbytes, chunk.nbytes), decision
             slot = k % SLOTS

@@ -34,6 +34,9 @@ logger = logging.getLogger(__name__)
 PROBE_BYTES = 128 << 10
 # Chunk sends posted at once. Two keep the wire busy: the next chunk is queued at the
 # receiver before the current one completes.
+# A chunk stream of at least this many wire bytes measures the link end to end (first chunk
+# posted to the receiver's ack); 1 MiB at 1 Gbit/s is 8 ms against ~0.2 ms of ack latency.
+END_TO_END_SAMPLE = 1 << 20
 SEND_WINDOW = 2
 RECV_WINDOW = 2
 
@@ -186,7 +189,7 @@ async def send_tensors(channel: Channel, tensors, *, config: TransportConfig, po
         if policy.needs_probe(data.numel()):
             sample = typed[: PROBE_BYTES // typed.element_size()]
             probe = len(uz.compress(sample, threads=1)) / sample.nbytes
-        decision = policy.decide(data.numel(), probe)
+        decision = policy.decide(data.numel(), probe, chunks_in_transfer=len(chunks))
         if not decision.compress and data.is_cuda:
             data = data.cpu()
         if decision.compress:
@@ -237,6 +240,7 @@ async def send_tensors(channel: Channel, tensors, *, config: TransportConfig, po
         done.seconds = time.perf_counter() - t_start
         return done
     chunks.extend(proto.plan_chunks(entries, config.chunk_bytes))  # encode() reads it
+    policy.first_posted = None  # set by the first chunk's send
     if stream is not None and any(f.is_cuda for f in flats):
         stream.synchronize()  # the codec threads read on their own streams: wait for the caller's writes
     # A staging buffer per chunk in flight, plus the one being compressed.
@@ -249,9 +253,13 @@ async def send_tensors(channel: Channel, tensors, *, config: TransportConfig, po
         await _pipelined_send(channel, len(chunks), lambda k: _done(encoded[k]), policy, stats, slots=len(chunks))
     ack = bytearray(proto.ACK.size)
     await channel.recv(ack)
+    acked = time.perf_counter()
     status, _ = proto.ACK.unpack(ack)
     if status == proto.ACK_CHECKSUM:
         raise ChecksumError("the receiver rejected a chunk: checksum mismatch or undecodable frame")
+    if policy.first_posted is not None and stats.wire_bytes >= END_TO_END_SAMPLE:
+        # End to end, first chunk posted to the receiver's ack: what the link really carried.
+        policy.observe_link(stats.wire_bytes, acked - policy.first_posted)
     if status != proto.ACK_OK:
         raise ProtocolError(f"the receiver rejected the transfer (status {status})")
     stats.seconds = time.perf_counter() - t_start
@@ -303,8 +311,10 @@ async def _send_chunk(channel: Channel, enc: _Encoded, policy: AdaptivePolicy, s
     await asyncio.gather(channel.send(enc.header.pack()), channel.send(enc.payload))
     done = time.perf_counter()
     # The link was busy with the chunk ahead of this one until that one completed.
-    policy.observe_link(enc.header.wire_nbytes, done - max(posted, policy.link_free_at))
+    policy.observe_chunk_send(enc.header.wire_nbytes, done - max(posted, policy.link_free_at))
     policy.link_free_at = done
+    if policy.first_posted is None:
+        policy.first_posted = posted
     stats.wire_bytes += enc.header.wire_nbytes
     stats.chunks_compressed += enc.header.codec == proto.CODEC_UZIP
     stats.decisions.append(enc.decision)
