@@ -159,7 +159,7 @@ def run_rate(link, rate: str, sizes: list[int], repeats: int, threads: int) -> d
 
 
 def run(rates: list[str], repeats: int, max_mib: int, threads: int, out_dir: Path) -> dict:
-    from benchmarks.netns import RateLimitedLink
+    from benchmarks.netns import RateLimitedLink, default_burst
 
     sizes = sizes_bytes(max_mib)
     rows, adaptive = [], {}
@@ -177,7 +177,8 @@ def run(rates: list[str], repeats: int, max_mib: int, threads: int, out_dir: Pat
     result = {"benchmark": "allreduce_link", "machine": machine.describe(), "repeats": repeats, "world": 2,
               "codec_threads": threads, "load_before": load_before, "load_after": os.getloadavg(),
               "data": "Gemma-3-270M bf16 activations (hidden states + KV cache), tiled; rank-rotated",
-              "adaptive": adaptive, "rows": rows}
+              "adaptive": adaptive, "rows": rows,
+              "tbf_burst": {rate: default_burst(rate) for rate in adaptive}}
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "allreduce_link.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(rows, out_dir / "allreduce_link.png", result)

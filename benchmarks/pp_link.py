@@ -190,7 +190,8 @@ def summarize(runs: list[dict], decode_steps: int) -> tuple[list[dict], list[dic
     return rows, e2e
 
 
-def run(rate: str | None, repeats: int, decode_steps: int, out_dir: Path, pin_cores: bool = False) -> dict:
+def run(rate: str | None, repeats: int, decode_steps: int, out_dir: Path, pin_cores: bool = False,
+        burst: str | None = None) -> dict:
     from benchmarks import netns
     from benchmarks.netns import ADDR, RateLimitedLink
 
@@ -204,7 +205,7 @@ def run(rate: str | None, repeats: int, decode_steps: int, out_dir: Path, pin_co
     # other core when that one is idle.
     pin = {side: ["taskset", "-c", str(core)] if pin_cores else [] for side, core in (("a", 0), ("b", 1))}
     with RateLimitedLink() as link:
-        link.set_rate(rate)
+        link.set_rate(rate, burst)
         recv = link.popen("b", pin["b"] + me + ["--role", "recv", "--port", str(PORT)], stdout=subprocess.PIPE,
                           text=True)
         try:
@@ -227,7 +228,7 @@ def run(rate: str | None, repeats: int, decode_steps: int, out_dir: Path, pin_co
     result = {"benchmark": "pp_link", "machine": machine.describe(), "rate": rate or "unlimited",
               "repeats": repeats, "decode_steps_per_sample": decode_steps, "generated_tokens": GENERATED,
               "chunk_bytes": CHUNK_BYTES, "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
-              "pinned": pin_cores, "codec_threads": CODEC_THREADS,
+              "pinned": pin_cores, "codec_threads": CODEC_THREADS, "tbf_burst": (burst or netns.default_burst(rate)) if rate else None,
               "data": "Gemma-3-270M activations after layer 9 of 18 (hidden_states + residual, [tokens, 640] bf16)",
               "policy_estimates": got["estimates"], "rows": rows, "end_to_end": e2e, "bars": bars}
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -308,6 +309,9 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--decode-steps", type=int, default=16, help="decode transfers per sample (median taken)")
     p.add_argument("--pin", action="store_true", help="pin the sender to core 0 and the receiver to core 1")
+    p.add_argument("--burst", default=None,
+                   help="tbf bucket (default: netns.default_burst, 2 ms of the rate); a step smaller than it "
+                        "crosses at veth speed")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=PORT)
     p.add_argument("--out", type=Path, default=OUT_DIR)
@@ -318,7 +322,7 @@ def main(argv=None) -> int:
     elif a.role == "send":
         run_sender(a.host, a.port, a.repeats, a.decode_steps)
     else:
-        run(None if a.rate == "none" else a.rate, a.repeats, a.decode_steps, a.out, a.pin)
+        run(None if a.rate == "none" else a.rate, a.repeats, a.decode_steps, a.out, a.pin, a.burst)
     return 0
 
 
