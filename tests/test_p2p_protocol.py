@@ -215,6 +215,9 @@ def test_adaptive_policy_link_estimate_and_pipeline_fill():
     p.observe_link(8 << 20, (8 << 20) / 0.125e9)  # end to end: replaces the chunk-send estimate
     p.observe_chunk_send(1 << 20, (1 << 20) / 5e9)  # ignored from now on
     assert p.link.value == pytest.approx(0.125e9) and p.link_measured
+    # a compressed transfer paced by its codec says only "at least this fast": never lowers it
+    p.observe_link(8 << 20, (8 << 20) / 0.05e9, lower_bound=True)
+    assert p.link.value == pytest.approx(0.125e9)
     p.observe_compress(1 << 20, (1 << 20) / 0.4e9)
     p.observe_decompress(1 << 20, (1 << 20) / 0.55e9)
     # a long stream: the wire at 0.69 of the bytes sets the pace, compressing pays

@@ -104,12 +104,21 @@ class AdaptivePolicy:
         in one step. Only a measured slow path (GPUs without peer access) brings it back."""
         return cls(mode, prior_link_gbps=400.0, prior_compress_gbps=200.0, prior_decompress_gbps=250.0)
 
-    def observe_link(self, wire_bytes: int, seconds: float) -> None:
-        """An end-to-end measurement: bytes until the receiver acknowledged them."""
-        if wire_bytes >= self.MIN_BYTES and seconds > 0:
-            if not self.link_measured:
-                self.link, self.link_measured = Ewma(), True  # drop the chunk-send estimates
-            self.link.add(wire_bytes / seconds)
+    def observe_link(self, wire_bytes: int, seconds: float, *, lower_bound: bool = False) -> None:
+        """An end-to-end measurement: bytes until the receiver acknowledged them.
+        `lower_bound`: the transfer was (partly) compressed, so the codec may have paced it and
+        the link is at least this fast; such a sample only ever raises the estimate (else a
+        link measured through a slow codec would look slow and keep compression on for good)."""
+        if wire_bytes < self.MIN_BYTES or seconds <= 0:
+            return
+        speed = wire_bytes / seconds
+        if lower_bound:
+            if self.link_measured and speed > self.link.value:
+                self.link.add(speed)
+            return
+        if not self.link_measured:
+            self.link, self.link_measured = Ewma(), True  # drop the chunk-send estimates
+        self.link.add(speed)
 
     def observe_chunk_send(self, wire_bytes: int, seconds: float) -> None:
         """A chunk's send completing: it completes once the bytes sit in the socket buffers, so

@@ -259,7 +259,7 @@ async def send_tensors(channel: Channel, tensors, *, config: TransportConfig, po
         raise ChecksumError("the receiver rejected a chunk: checksum mismatch or undecodable frame")
     if policy.first_posted is not None and stats.wire_bytes >= END_TO_END_SAMPLE:
         # End to end, first chunk posted to the receiver's ack: what the link really carried.
-        policy.observe_link(stats.wire_bytes, acked - policy.first_posted)
+        policy.observe_link(stats.wire_bytes, acked - policy.first_posted, lower_bound=stats.chunks_compressed > 0)
     if status != proto.ACK_OK:
         raise ProtocolError(f"the receiver rejected the transfer (status {status})")
     stats.seconds = time.perf_counter() - t_start
