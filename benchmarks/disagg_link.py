@@ -64,8 +64,11 @@ def link_up(mtu: int = 65520) -> None:
 
 
 def set_rate(rate: str) -> None:
-    """Both directions capped at `rate` ("100mbit", "1gbit"); burst small relative to the rate."""
-    burst = {"100mbit": "128kb", "1gbit": "1mb"}.get(rate, "1mb")
+    """Both directions capped at `rate` ("100mbit", "1gbit"), tbf's bucket as for the other
+    link benchmarks (benchmarks/netns.py: default_burst, 2 ms of the rate)."""
+    from benchmarks.netns import default_burst
+
+    burst = default_burst(rate)
     for side, ns in NS.items():
         _sh("ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", DEV[side], "root", check=False)
         _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", DEV[side], "root", "tbf", "rate", rate,
@@ -380,6 +383,8 @@ def kv_only_send(args) -> int:
 
 
 def kv_only(args) -> int:
+    from benchmarks.netns import default_burst
+
     global NS, ADDR, DEV
     NS, ADDR, DEV = KV_NS, KV_ADDR, KV_DEV
     link_up()
@@ -430,7 +435,8 @@ def kv_only(args) -> int:
               "what": "UzipConnector's sender and receiver code (hello + one p2p transfer per layer) without vLLM, "
                       "real Gemma-3-270M bf16 KV (benchmarks.realdata gemma_activations, 493 tokens repeated), "
                       "vLLM CPU page layout, over the netns veth link",
-              "repeats": args.repeats, "table": table, "runs": runs}
+              "repeats": args.repeats, "tbf_burst": {rate: default_burst(rate) for rate in args.rates},
+              "table": table, "runs": runs}
     (out / "disagg_kv_only.json").write_text(json.dumps(result, indent=2) + "\n")
     return 0
 
