@@ -227,6 +227,34 @@ def test_adaptive_policy_link_estimate_and_pipeline_fill():
     assert not p.decide(1 << 20, 0.69, chunks_in_transfer=1).compress
 
 
+def test_adaptive_policy_learns_from_whole_transfers():
+    p = AdaptivePolicy("auto")
+    p.observe_link(8 << 20, (8 << 20) / 0.125e9)
+    p.observe_compress(1 << 20, (1 << 20) / 0.8e9)
+    p.observe_decompress(1 << 20, (1 << 20) / 1.0e9)
+    step = 1_262_080  # a batch-1 PP prefill step: two chunks
+
+    def decide(transfer_bytes, chunks):
+        return p.decide(1 << 20, 0.69, chunks_in_transfer=chunks, transfer_bytes=transfer_bytes)
+
+    assert decide(step, 2).compress and decide(step, 2).reason.startswith("model")  # the model predicts a gain
+    p.observe_transfer(step, 0.0145, compressed=True)  # what it really took (measured: 1.1-1.4x raw)
+    d = decide(step, 2)
+    assert not d.compress and d.reason.startswith("measured compressed")  # vs the model's raw time
+    p.observe_transfer(step, 0.0129, compressed=False)
+    d = decide(step, 2)
+    assert not d.compress and d.reason.startswith("measured: 1.12x raw")
+    assert not p.needs_probe(1 << 20, step)  # raw measured faster: no probe either
+    assert p.needs_probe(1 << 20, 10_097_000)
+    assert decide(10_097_000, 10).compress  # another size class: still the model
+    for _ in range(14):  # after 16 transfers of the class, the losing path is re-measured once
+        p.observe_transfer(step, 0.0129, compressed=False)
+    d = decide(step, 2)
+    assert d.compress and "re-measuring" in d.reason
+    p.observe_transfer(step, 0.0145, compressed=True)
+    assert not decide(step, 2).compress
+
+
 def test_cut_through_relay_forwards_every_chunk_unchanged():
     tensors = mixed_tensors(40, seed=9)
     config = TransportConfig(chunk_bytes=1 << 20, compression="on")

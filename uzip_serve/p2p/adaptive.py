@@ -7,6 +7,12 @@ measured so far on this link (wire bytes per second), of this codec (GB/s), and 
 this very chunk (the ratio of a one-block probe), and sends raw unless compression
 wins by a margin. Random data probes at ratio ~1.0 and goes raw; a fast link makes
 the codec the bottleneck and goes raw; a slow link with weights goes compressed.
+
+The model knows bytes and speeds, not a transfer's fixed costs (the probe, thread hops,
+frame headers, the last chunk's decode), which decide small transfers: a two-chunk PP step
+measured 1.1-1.4x raw compressed where the model predicted a gain. So the policy also keeps
+what whole transfers really took, per size class (a power of two), compressed and raw; once
+a class has an outcome, that outcome replaces the model's guess for its path.
 """
 
 from __future__ import annotations
@@ -75,6 +81,9 @@ class AdaptivePolicy:
     MARGIN = 0.10
     # Below this a chunk goes raw: headers and the probe would cost more than they save.
     MIN_BYTES = 64 << 10
+    # Once both paths have outcomes for a size class, every this-many-th transfer of it takes
+    # the losing path, to re-measure it.
+    RECHECK_EVERY = 16
 
     def __init__(self, mode: str = "auto", *, prior_link_gbps: float | None = None,
                  prior_compress_gbps: float | None = None, prior_decompress_gbps: float | None = None):
@@ -90,6 +99,10 @@ class AdaptivePolicy:
         self.link_free_at = 0.0
         # When the current chunk stream posted its first chunk (the end-to-end sample's start).
         self.first_posted: float | None = None
+        # Seconds per raw byte of whole transfers, per size class: {class: {compressed: Ewma}},
+        # and how many transfers of each class were observed.
+        self.outcomes: dict[int, dict[bool, Ewma]] = {}
+        self.observed: dict[int, int] = {}
         # Priors stand in for measurements not made yet (a path's expected link, the codec it uses).
         if prior_compress_gbps:
             self.PRIOR_COMPRESS_GBPS = prior_compress_gbps
@@ -136,11 +149,46 @@ class AdaptivePolicy:
         if raw_bytes >= self.MIN_BYTES and seconds > 0:
             self.decompress_speed.add(raw_bytes / seconds)
 
-    def needs_probe(self, nbytes: int) -> bool:
+    @staticmethod
+    def size_class(transfer_bytes: int) -> int:
+        return max(0, int(transfer_bytes).bit_length() - 1)
+
+    def observe_transfer(self, raw_bytes: int, seconds: float, compressed: bool) -> None:
+        """A whole transfer, every chunk of it compressed (or every chunk raw), start to ack."""
+        if raw_bytes >= self.MIN_BYTES and seconds > 0:
+            k = self.size_class(raw_bytes)
+            self.outcomes.setdefault(k, {}).setdefault(compressed, Ewma()).add(seconds / raw_bytes)
+            self.observed[k] = self.observed.get(k, 0) + 1
+
+    def _outcome(self, transfer_bytes: int | None, compressed: bool) -> float | None:
+        """Seconds per raw byte that transfers of this size class took, or None."""
+        if not transfer_bytes:
+            return None
+        e = self.outcomes.get(self.size_class(transfer_bytes), {}).get(compressed)
+        return e.value if e is not None else None
+
+    def _measured(self, transfer_bytes: int | None) -> tuple[bool, str] | None:
+        """(compress?, why) from whole transfers of this size class when both paths have
+        outcomes (the faster one, no margin: these are measurements, not a model; every
+        RECHECK_EVERY-th transfer the other one, to re-measure it); None otherwise."""
+        zip_seen, raw_seen = self._outcome(transfer_bytes, True), self._outcome(transfer_bytes, False)
+        if zip_seen is None or raw_seen is None:
+            return None
+        compress = zip_seen < raw_seen
+        why = f"measured: {zip_seen / raw_seen:.2f}x raw compressed for transfers of this size"
+        if self.observed.get(self.size_class(transfer_bytes), 0) % self.RECHECK_EVERY == 0:
+            return not compress, why + "; re-measuring the other path"
+        return compress, why
+
+    def needs_probe(self, nbytes: int, transfer_bytes: int | None = None) -> bool:
         """Whether the chunk's ratio could change the decision. On a link faster than
-        the codec even a perfect ratio loses, so the probe (a one-block compression)
-        is skipped there and costs nothing."""
+        the codec even a perfect ratio loses, and where whole transfers of this size
+        measured faster raw, so the probe (a one-block compression) is skipped there and
+        costs nothing."""
         if self.mode != "auto" or nbytes < self.MIN_BYTES:
+            return False
+        measured = self._measured(transfer_bytes)
+        if measured is not None and not measured[0]:
             return False
         link = self.link.value
         if link is None:
@@ -149,10 +197,12 @@ class AdaptivePolicy:
         d = self.decompress_speed.value or self.PRIOR_DECOMPRESS_GBPS * 1e9
         return max(1 / c, 1 / d) < (1 - self.MARGIN) / link
 
-    def decide(self, nbytes: int, probe_ratio: float | None, *, chunks_in_transfer: int | None = None) -> Decision:
+    def decide(self, nbytes: int, probe_ratio: float | None, *, chunks_in_transfer: int | None = None,
+               transfer_bytes: int | None = None) -> Decision:
         """Whether to compress a chunk of `nbytes`. `chunks_in_transfer`: how many chunks its
         transfer has, so that the pipeline's fill and drain (the first chunk's compression,
-        the last one's decompression, which nothing overlaps) are charged too."""
+        the last one's decompression, which nothing overlaps) are charged too.
+        `transfer_bytes`: its raw size, whose size class may have measured outcomes."""
         link = self.link.value
         c = self.compress_speed.value or self.PRIOR_COMPRESS_GBPS * 1e9
         d = self.decompress_speed.value or self.PRIOR_DECOMPRESS_GBPS * 1e9
@@ -166,6 +216,9 @@ class AdaptivePolicy:
             return make(False, "forced off")
         if nbytes < self.MIN_BYTES:
             return make(False, "small chunk")
+        measured = self._measured(transfer_bytes)
+        if measured is not None and not measured[0]:
+            return make(False, measured[1])
         if link is None:
             return make(False, "link speed not measured yet")
         if probe_ratio is None:
@@ -179,9 +232,16 @@ class AdaptivePolicy:
             # A two-chunk 1.26 MB PP step measured 1.24x raw compressed where the model without
             # this term predicted 0.7x.
             t_zip += (nbytes / c + nbytes / d) / chunks_in_transfer
-        if t_zip < (1 - self.MARGIN) * t_raw:
-            return make(True, f"model: {t_zip * 1e3:.1f} ms compressed vs {t_raw * 1e3:.1f} ms raw")
-        return make(False, f"model: {t_zip * 1e3:.1f} ms compressed vs {t_raw * 1e3:.1f} ms raw")
+        if measured is not None:  # both paths measured, compression the faster (and this chunk compressible)
+            return make(True, measured[1])
+        # One path measured for transfers of this size: its outcome replaces the model's guess.
+        zip_seen, raw_seen = self._outcome(transfer_bytes, True), self._outcome(transfer_bytes, False)
+        src = "model"
+        if zip_seen is not None:
+            src, t_zip = "measured compressed", nbytes * zip_seen
+        elif raw_seen is not None:
+            src, t_raw = "measured raw", nbytes * raw_seen
+        return make(t_zip < (1 - self.MARGIN) * t_raw, f"{src}: {t_zip * 1e3:.1f} ms compressed vs {t_raw * 1e3:.1f} ms raw")
 
 
 class Stopwatch:

@@ -186,10 +186,10 @@ async def send_tensors(channel: Channel, tensors, *, config: TransportConfig, po
             data = data.cpu()
         typed = _typed(data, chunk.dtype)
         probe = None
-        if policy.needs_probe(data.numel()):
+        if policy.needs_probe(data.numel(), stats.raw_bytes):
             sample = typed[: PROBE_BYTES // typed.element_size()]
             probe = len(uz.compress(sample, threads=1)) / sample.nbytes
-        decision = policy.decide(data.numel(), probe, chunks_in_transfer=len(chunks))
+        decision = policy.decide(data.numel(), probe, chunks_in_transfer=len(chunks), transfer_bytes=stats.raw_bytes)
         if not decision.compress and data.is_cuda:
             data = data.cpu()
         if decision.compress:
@@ -263,6 +263,8 @@ async def send_tensors(channel: Channel, tensors, *, config: TransportConfig, po
     if status != proto.ACK_OK:
         raise ProtocolError(f"the receiver rejected the transfer (status {status})")
     stats.seconds = time.perf_counter() - t_start
+    if stats.chunks_compressed in (0, stats.chunks):  # all one path: an outcome for its size class
+        policy.observe_transfer(stats.raw_bytes, stats.seconds, compressed=stats.chunks_compressed > 0)
     logger.debug("sent %d tensors, %d chunks (%d compressed): %.1f MB raw, %.1f MB on the wire, %.3f s",
                  len(entries), stats.chunks, stats.chunks_compressed, stats.raw_bytes / 1e6, stats.wire_bytes / 1e6,
                  stats.seconds)
