@@ -25,7 +25,7 @@ link-bound end-to-end tokens/s, (B x (493 + G)) / (prefill + G x decode transfer
 the tokens per second the link allows; the model's compute is not included. Writes
 docs/benchmarks/pp_link.{json,png}.
 
-    python -m benchmarks.pp_link [--rate 1gbit] [--repeats 5] [--decode-steps 16]
+    python -m benchmarks.pp_link [--rate 1gbit] [--repeats 15] [--decode-steps 16]
 """
 
 from __future__ import annotations
@@ -306,7 +306,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--role", choices=["orchestrate", "recv", "send"], default="orchestrate")
     p.add_argument("--rate", default="1gbit", help="tbf rate; 'none' = unlimited")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=15,
+                   help="samples per cell; the adaptive policy spends its first few transfers of a size learning")
     p.add_argument("--decode-steps", type=int, default=16, help="decode transfers per sample (median taken)")
     p.add_argument("--pin", action="store_true", help="pin the sender to core 0 and the receiver to core 1")
     p.add_argument("--burst", default=None,
