@@ -97,8 +97,6 @@ class AdaptivePolicy:
         # When the last send on this link completed: a pipelined send queued behind it
         # started using the wire only then.
         self.link_free_at = 0.0
-        # When the current chunk stream posted its first chunk (the end-to-end sample's start).
-        self.first_posted: float | None = None
         # Seconds per raw byte of whole transfers, per size class: {class: {compressed: Ewma}},
         # and how many transfers of each class were observed.
         self.outcomes: dict[int, dict[bool, Ewma]] = {}
@@ -160,18 +158,17 @@ class AdaptivePolicy:
             self.outcomes.setdefault(k, {}).setdefault(compressed, Ewma()).add(seconds / raw_bytes)
             self.observed[k] = self.observed.get(k, 0) + 1
 
-    def _outcome(self, transfer_bytes: int | None, compressed: bool) -> float | None:
-        """Seconds per raw byte that transfers of this size class took, or None."""
-        if not transfer_bytes:
-            return None
-        e = self.outcomes.get(self.size_class(transfer_bytes), {}).get(compressed)
-        return e.value if e is not None else None
+    def _outcomes(self, transfer_bytes: int | None) -> tuple[float | None, float | None]:
+        """Seconds per raw byte that transfers of this size class took (compressed, raw)."""
+        by_mode = self.outcomes.get(self.size_class(transfer_bytes), {}) if transfer_bytes else {}
+        zip_seen, raw_seen = by_mode.get(True), by_mode.get(False)
+        return zip_seen and zip_seen.value, raw_seen and raw_seen.value
 
-    def _measured(self, transfer_bytes: int | None) -> tuple[bool, str] | None:
+    def _measured(self, transfer_bytes: int | None, zip_seen: float | None,
+                  raw_seen: float | None) -> tuple[bool, str] | None:
         """(compress?, why) from whole transfers of this size class when both paths have
         outcomes (the faster one, no margin: these are measurements, not a model; every
         RECHECK_EVERY-th transfer the other one, to re-measure it); None otherwise."""
-        zip_seen, raw_seen = self._outcome(transfer_bytes, True), self._outcome(transfer_bytes, False)
         if zip_seen is None or raw_seen is None:
             return None
         compress = zip_seen < raw_seen
@@ -187,7 +184,7 @@ class AdaptivePolicy:
         costs nothing."""
         if self.mode != "auto" or nbytes < self.MIN_BYTES:
             return False
-        measured = self._measured(transfer_bytes)
+        measured = self._measured(transfer_bytes, *self._outcomes(transfer_bytes))
         if measured is not None and not measured[0]:
             return False
         link = self.link.value
@@ -216,7 +213,8 @@ class AdaptivePolicy:
             return make(False, "forced off")
         if nbytes < self.MIN_BYTES:
             return make(False, "small chunk")
-        measured = self._measured(transfer_bytes)
+        zip_seen, raw_seen = self._outcomes(transfer_bytes)
+        measured = self._measured(transfer_bytes, zip_seen, raw_seen)
         if measured is not None and not measured[0]:
             return make(False, measured[1])
         if link is None:
@@ -235,7 +233,6 @@ class AdaptivePolicy:
         if measured is not None:  # both paths measured, compression the faster (and this chunk compressible)
             return make(True, measured[1])
         # One path measured for transfers of this size: its outcome replaces the model's guess.
-        zip_seen, raw_seen = self._outcome(transfer_bytes, True), self._outcome(transfer_bytes, False)
         src = "model"
         if zip_seen is not None:
             src, t_zip = "measured compressed", nbytes * zip_seen

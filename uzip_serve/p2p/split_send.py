@@ -32,11 +32,11 @@ logger = logging.getLogger(__name__)
 
 # How much of a chunk is compressed to estimate its ratio before deciding (one block).
 PROBE_BYTES = 128 << 10
-# Chunk sends posted at once. Two keep the wire busy: the next chunk is queued at the
-# receiver before the current one completes.
 # A chunk stream of at least this many wire bytes measures the link end to end (first chunk
 # posted to the receiver's ack); 1 MiB at 1 Gbit/s is 8 ms against ~0.2 ms of ack latency.
 END_TO_END_SAMPLE = 1 << 20
+# Chunk sends posted at once. Two keep the wire busy: the next chunk is queued at the
+# receiver before the current one completes.
 SEND_WINDOW = 2
 RECV_WINDOW = 2
 
@@ -240,26 +240,26 @@ async def send_tensors(channel: Channel, tensors, *, config: TransportConfig, po
         done.seconds = time.perf_counter() - t_start
         return done
     chunks.extend(proto.plan_chunks(entries, config.chunk_bytes))  # encode() reads it
-    policy.first_posted = None  # set by the first chunk's send
     if stream is not None and any(f.is_cuda for f in flats):
         stream.synchronize()  # the codec threads read on their own streams: wait for the caller's writes
     # A staging buffer per chunk in flight, plus the one being compressed.
     staging.extend(bytearray(cap) for _ in range(SEND_WINDOW + 1 if config.pipeline else max(1, len(chunks))))
     if config.pipeline:
-        await _pipelined_send(channel, len(chunks), lambda k: loop.run_in_executor(executor, encode, k),
-                              policy, stats, slots=len(staging))
+        first_posted = await _pipelined_send(channel, len(chunks), lambda k: loop.run_in_executor(executor, encode, k),
+                                             policy, stats, slots=len(staging))
     else:
         encoded = [await loop.run_in_executor(executor, encode, k) for k in range(len(chunks))]
-        await _pipelined_send(channel, len(chunks), lambda k: _done(encoded[k]), policy, stats, slots=len(chunks))
+        first_posted = await _pipelined_send(channel, len(chunks), lambda k: _done(encoded[k]), policy, stats,
+                                             slots=len(chunks))
     ack = bytearray(proto.ACK.size)
     await channel.recv(ack)
     acked = time.perf_counter()
     status, _ = proto.ACK.unpack(ack)
     if status == proto.ACK_CHECKSUM:
         raise ChecksumError("the receiver rejected a chunk: checksum mismatch or undecodable frame")
-    if policy.first_posted is not None and stats.wire_bytes >= END_TO_END_SAMPLE:
+    if first_posted is not None and stats.wire_bytes >= END_TO_END_SAMPLE:
         # End to end, first chunk posted to the receiver's ack: what the link really carried.
-        policy.observe_link(stats.wire_bytes, acked - policy.first_posted, lower_bound=stats.chunks_compressed > 0)
+        policy.observe_link(stats.wire_bytes, acked - first_posted, lower_bound=stats.chunks_compressed > 0)
     if status != proto.ACK_OK:
         raise ProtocolError(f"the receiver rejected the transfer (status {status})")
     stats.seconds = time.perf_counter() - t_start
@@ -282,11 +282,13 @@ async def _done(value):
 
 
 async def _pipelined_send(channel: Channel, n: int, encode, policy: AdaptivePolicy, stats: TransferStats,
-                          *, slots: int) -> None:
+                          *, slots: int) -> float | None:
     """Sends chunks 0..n-1 in order, keeping up to SEND_WINDOW of them posted at once while
     the next is encoded. `encode(k)` returns an awaitable of chunk k, written into staging
-    slot k % slots; a slot is reused only once the send that read it completed."""
+    slot k % slots; a slot is reused only once the send that read it completed. Returns
+    when chunk 0 was posted (None without chunks)."""
     inflight: collections.deque[tuple[int, asyncio.Future]] = collections.deque()
+    first_posted = None
     try:
         pending = encode(0) if n else None
         for k in range(n):
@@ -295,9 +297,12 @@ async def _pipelined_send(channel: Channel, n: int, encode, policy: AdaptivePoli
                 await inflight.popleft()[1]
             if k + 1 < n:  # compress the next chunk while this one is on the wire
                 pending = encode(k + 1)
+            if first_posted is None:
+                first_posted = time.perf_counter()
             inflight.append((k, asyncio.ensure_future(_send_chunk(channel, enc, policy, stats))))
         while inflight:
             await inflight.popleft()[1]
+        return first_posted
     finally:
         # On failure, let the sends already posted settle before their buffers go away.
         rest = [f for _, f in inflight]
@@ -315,8 +320,6 @@ async def _send_chunk(channel: Channel, enc: _Encoded, policy: AdaptivePolicy, s
     # The link was busy with the chunk ahead of this one until that one completed.
     policy.observe_chunk_send(enc.header.wire_nbytes, done - max(posted, policy.link_free_at))
     policy.link_free_at = done
-    if policy.first_posted is None:
-        policy.first_posted = posted
     stats.wire_bytes += enc.header.wire_nbytes
     stats.chunks_compressed += enc.header.codec == proto.CODEC_UZIP
     stats.decisions.append(enc.decision)
