@@ -57,6 +57,20 @@ def run(coro, timeout: float | None = None):
     return asyncio.run_coroutine_threadsafe(coro, ucx_loop()).result(timeout)
 
 
+def cancel_quietly(futures) -> None:
+    """Cancels the futures not done yet, and retrieves whatever they end with, so that
+    asyncio logs no "exception was never retrieved" for requests abandoned after an error."""
+    for f in futures:
+        if not f.done():
+            f.cancel()
+        f.add_done_callback(_retrieve)
+
+
+def _retrieve(fut) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
 def call_soon(fn, *args) -> None:
     """Calls fn on the UCX loop: directly when already there, else at its next turn."""
     loop = ucx_loop()

@@ -27,7 +27,7 @@ from collections.abc import Awaitable
 from concurrent.futures import ThreadPoolExecutor
 
 from uzip_serve.p2p import cuda_ipc, split_send, ucx_cuda
-from uzip_serve.p2p.loop import call_soon, on_ucx_loop
+from uzip_serve.p2p.loop import call_soon, cancel_quietly, on_ucx_loop
 from uzip_serve.p2p.adaptive import AdaptivePolicy, TransferStats
 from uzip_serve.p2p.config import TransportConfig
 from uzip_serve.p2p.errors import PeerError, ProtocolError, TransferError, TransferTimeout
@@ -166,9 +166,7 @@ class Endpoint:
             for f in futs:
                 await asyncio.wait_for(asyncio.shield(f), self.config.deadline_s)
         except Exception as e:  # noqa: BLE001 - translated into a typed error or re-raised
-            for f in futs:
-                f.cancel()
-                f.add_done_callback(_retrieve)  # no "exception never retrieved" for the rest
+            cancel_quietly(futs)
             raise _translate(e, what) from e
 
     def _check_open(self) -> None:
@@ -262,11 +260,6 @@ class Endpoint:
     @property
     def closed(self) -> bool:
         return self._closed
-
-
-def _retrieve(fut) -> None:
-    if not fut.cancelled():
-        fut.exception()
 
 
 def _abort_quietly(ucx_ep, executor) -> None:

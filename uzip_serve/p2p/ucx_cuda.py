@@ -42,6 +42,7 @@ from uzip_serve.p2p import protocol as proto
 from uzip_serve.p2p.adaptive import AdaptivePolicy, Decision, TransferStats
 from uzip_serve.p2p.errors import ChecksumError, ProtocolError
 from uzip_serve.p2p.ipc_send import MIN_LINK_SAMPLE, _raise_for, _stream_for
+from uzip_serve.p2p.loop import cancel_quietly
 from uzip_serve.p2p.split_send import _flat_bytes
 
 logger = logging.getLogger(__name__)
@@ -139,15 +140,7 @@ async def _payload(channel, bufs) -> None:
         await sending
         _raise_for((await reply)[0])
     finally:
-        for f in (sending, reply):
-            if not f.done():
-                f.cancel()
-                f.add_done_callback(_retrieve)
-
-
-def _retrieve(fut) -> None:
-    if not fut.cancelled():
-        fut.exception()
+        cancel_quietly((sending, reply))
 
 
 async def _reply(channel) -> tuple[int, int]:
