@@ -87,8 +87,17 @@ def _entropy_plane(dt: fmt.DType) -> int:
     return -1
 
 
-@functools.lru_cache(maxsize=None)
+_MODULES: dict = {}  # device index -> the loaded module
+
+
 def _module(device_index: int):
+    mod = _MODULES.get(device_index)
+    if mod is None:
+        mod = _MODULES[device_index] = _load_module(device_index)
+    return mod
+
+
+def _load_module(device_index: int):
     import cupy
 
     src = (Path(__file__).with_name("cuda_codec.cu")).read_text()
@@ -120,7 +129,6 @@ def _stream(stream):
 
 
 _STREAMS: dict = {}
-_LOADED: set[int] = set()
 
 
 def _u64(x: int):
@@ -178,7 +186,7 @@ class CudaCodec:
     @staticmethod
     def loaded(device_index: int) -> bool:
         """Whether the kernels are compiled and loaded on that device (see load)."""
-        return device_index in _LOADED
+        return device_index in _MODULES
 
     @staticmethod
     def load(device_index: int) -> None:
@@ -186,7 +194,6 @@ class CudaCodec:
         The first time on a machine this takes tens of seconds: callers with deadlines (the P2P
         paths) do it before their first deadline-bound step, not inside it."""
         _module(device_index)
-        _LOADED.add(device_index)
 
     # ---- compress ----
 
