@@ -8,7 +8,11 @@ each rank a different slice) from 256 KiB to 64 MiB, with, interleaved in one ru
   gloo        torch.distributed.all_reduce on the gloo group (what CPU TP runs today)
   compressed  the compressed ring, always on
   adaptive    the ring communicator deciding per call (falls back to gloo's all-reduce)
+  gloo_again  gloo once more: an A/A control, the noise floor of every ratio
 
+Each size gets at least --repeats calls per mode (about 1.5 s of them, up to 101),
+interleaved, after a warm-up that lets the adaptive mode calibrate and try both paths
+where its model is unsure (the paths of that warm-up are recorded per row).
 Reports the median latency per mode and size, the wire ratio of the compressed path and
 the speed-up over gloo; writes docs/benchmarks/allreduce_link.{json,png}.
 
@@ -21,6 +25,7 @@ import argparse
 import datetime
 import json
 import logging
+import math
 import os
 import statistics
 import subprocess
@@ -32,8 +37,12 @@ from benchmarks import machine
 
 OUT_DIR = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
 ME = [sys.executable, "-m", "benchmarks.allreduce_link"]
-MODES = ("gloo", "compressed", "adaptive")
+# gloo_again: the same call as gloo, measured as a mode of its own: an A/A control whose
+# ratio to gloo is this machine's noise for that size (gloo's calls vary up to 5x here).
+MODES = ("gloo", "compressed", "adaptive", "gloo_again")
 PORT = 29650
+BUDGET_S = 1.5  # per mode and size
+MAX_REPEATS = 101
 logger = logging.getLogger("benchmarks.allreduce_link")
 
 
@@ -79,20 +88,36 @@ def role_rank(rank: int, world: int, master: str, sizes: list[int], repeats: int
     }
 
     def run(mode, x):
-        if mode == "gloo":
+        if mode in ("gloo", "gloo_again"):
             y = x.clone()
             dist.all_reduce(y)
             return y
         return comms[mode].all_reduce(x)
 
     rows = []
+    explore = comms["adaptive"].config.explore_calls
     for nbytes in sizes:
         x = activations(nbytes, rank, world)
-        for mode in MODES:  # warm-up: connections, page faults, the adaptive calibration
-            run(mode, x)
+        # Warm-up: connections, page faults, the adaptive calibration and, near the
+        # break-even, its trial of both paths (2 * explore_calls calls, then the agreement):
+        # the rows report the steady state; the trial's paths are recorded.
+        t0 = time.perf_counter()
+        run("gloo", x)
+        t_gloo = time.perf_counter() - t0
+        run("compressed", x)
+        a = comms["adaptive"].stats
+        warm_paths = []
+        for _ in range(2 + 2 * explore):
+            c0 = a.compressed
+            run("adaptive", x)
+            warm_paths.append("compressed" if a.compressed > c0 else "native")
+        # Enough calls for a stable median (gloo itself varies by 2x call to call here):
+        # about BUDGET_S per mode, at least `repeats`, the same count on both ranks.
+        reps = torch.tensor([min(max(repeats, math.ceil(BUDGET_S / max(t_gloo, 1e-4))), MAX_REPEATS)])
+        dist.all_reduce(reps, op=dist.ReduceOp.MAX)
         times = {m: [] for m in MODES}
         before = {m: (dict(c.stats.__dict__)) for m, c in comms.items()}
-        for i in range(repeats):
+        for i in range(int(reps)):
             order = MODES if i % 2 == 0 else tuple(reversed(MODES))  # interleave against drift
             for mode in order:
                 dist.barrier()
@@ -105,6 +130,8 @@ def role_rank(rank: int, world: int, master: str, sizes: list[int], repeats: int
         for k, mode in enumerate(MODES):
             row = {"nbytes": nbytes, "mode": mode, "seconds": statistics.median(t[k].tolist()),
                    "seconds_all": t[k].tolist()}
+            if mode == "adaptive":
+                row["warmup_paths"] = warm_paths
             if mode in comms:
                 s, b = comms[mode].stats, before[mode]
                 raw, wire = s.raw_bytes - b["raw_bytes"], s.wire_bytes - b["wire_bytes"]
@@ -124,7 +151,7 @@ def role_rank(rank: int, world: int, master: str, sizes: list[int], repeats: int
 
 # ---- the orchestrator ----
 
-def run_rate(link, rate: str, sizes: list[int], repeats: int, threads: int) -> dict:
+def run_rate(link, rate: str, sizes: list[int], repeats: int, threads: int, pin: bool = False) -> dict:
     from benchmarks.netns import ADDR, DEV
 
     link.set_rate(rate)
@@ -136,7 +163,10 @@ def run_rate(link, rate: str, sizes: list[int], repeats: int, threads: int) -> d
         # codec needs (measured: decode+reduce 0.03 GB/s with 2 threads each, 0.28 with 1).
         env = dict(os.environ, GLOO_SOCKET_IFNAME=DEV[side], PYTHONPATH=str(Path(__file__).resolve().parents[1]),
                    OMP_NUM_THREADS="1")
-        procs.append(link.popen(side, ME + ["--role", "rank", "--rank", str(rank), "--world", "2", "--master",
+        # --pin: one core per rank, as if on two hosts (the kernel's network work still
+        # lands on either).
+        taskset = ["taskset", "-c", str(rank)] if pin else []
+        procs.append(link.popen(side, taskset + ME + ["--role", "rank", "--rank", str(rank), "--world", "2", "--master",
                                             master, "--sizes", ",".join(map(str, sizes)), "--repeats",
                                             str(repeats), "--threads", str(threads)],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
@@ -158,7 +188,7 @@ def run_rate(link, rate: str, sizes: list[int], repeats: int, threads: int) -> d
             p.wait(10)
 
 
-def run(rates: list[str], repeats: int, max_mib: int, threads: int, out_dir: Path) -> dict:
+def run(rates: list[str], repeats: int, max_mib: int, threads: int, out_dir: Path, pin: bool = False) -> dict:
     from benchmarks.netns import RateLimitedLink, default_burst
 
     sizes = sizes_bytes(max_mib)
@@ -166,7 +196,7 @@ def run(rates: list[str], repeats: int, max_mib: int, threads: int, out_dir: Pat
     load_before = os.getloadavg()
     with RateLimitedLink() as link:
         for rate in rates:
-            res = run_rate(link, rate, sizes, repeats, threads)
+            res = run_rate(link, rate, sizes, repeats, threads, pin)
             adaptive[rate] = res["adaptive"]
             for r in res["rows"]:
                 r["rate"] = rate
@@ -175,7 +205,7 @@ def run(rates: list[str], repeats: int, max_mib: int, threads: int, out_dir: Pat
         g = next(p for p in rows if p["rate"] == r["rate"] and p["nbytes"] == r["nbytes"] and p["mode"] == "gloo")
         r["speedup_vs_gloo"] = g["seconds"] / r["seconds"]
     result = {"benchmark": "allreduce_link", "machine": machine.describe(), "repeats": repeats, "world": 2,
-              "codec_threads": threads, "load_before": load_before, "load_after": os.getloadavg(),
+              "codec_threads": threads, "pinned": pin, "load_before": load_before, "load_after": os.getloadavg(),
               "data": "Gemma-3-270M bf16 activations (hidden states + KV cache), tiled; rank-rotated",
               "adaptive": adaptive, "rows": rows,
               "tbf_burst": {rate: default_burst(rate) for rate in adaptive}}
@@ -192,15 +222,15 @@ def _size(b: int) -> str:
 
 def table(rows) -> str:
     lines = [f"{'link':7} {'size':>8} {'gloo ms':>8} {'compr ms':>9} {'ratio':>6} {'x gloo':>7} "
-             f"{'adapt ms':>9} {'x gloo':>7} {'path':>10}"]
+             f"{'adapt ms':>9} {'x gloo':>7} {'path':>10} {'A/A':>5}"]
     for rate in dict.fromkeys(r["rate"] for r in rows):
         for nb in dict.fromkeys(r["nbytes"] for r in rows if r["rate"] == rate):
             get = {r["mode"]: r for r in rows if r["rate"] == rate and r["nbytes"] == nb}
-            g, c, a = get["gloo"], get["compressed"], get["adaptive"]
+            g, c, a, aa = get["gloo"], get["compressed"], get["adaptive"], get["gloo_again"]
             path = "compressed" if a["compressed_calls"] else "native"
             lines.append(f"{rate:7} {_size(nb):>8} {g['seconds'] * 1e3:8.2f} {c['seconds'] * 1e3:9.2f} "
                          f"{c['ratio']:6.3f} {c['speedup_vs_gloo']:7.2f} {a['seconds'] * 1e3:9.2f} "
-                         f"{a['speedup_vs_gloo']:7.2f} {path:>10}")
+                         f"{a['speedup_vs_gloo']:7.2f} {path:>10} {aa['speedup_vs_gloo']:5.2f}")
     return "\n".join(lines)
 
 
@@ -237,6 +267,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--max-mib", type=int, default=64)
     p.add_argument("--threads", type=int, default=1, help="codec threads per call")
+    p.add_argument("--pin", action="store_true", help="rank 0 on core 0, rank 1 on core 1")
     p.add_argument("--rank", type=int)
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--master")
@@ -247,7 +278,7 @@ def main(argv=None) -> int:
     if a.role == "rank":
         role_rank(a.rank, a.world, a.master, [int(s) for s in a.sizes.split(",")], a.repeats, a.threads)
     else:
-        run(a.rates.split(","), a.repeats, a.max_mib, a.threads, a.out)
+        run(a.rates.split(","), a.repeats, a.max_mib, a.threads, a.out, a.pin)
     return 0
 
 

@@ -147,6 +147,22 @@ class _Cases:
         picks = self._gather(torch.tensor([auto.stats.compressed]))
         if len({int(p) for p in picks}) != 1:
             problems.append(f"ranks took different paths: {picks}")
+        # A band that covers every size: each size class is tried both ways, then settles on
+        # what the ranks measured, and every rank follows the same sequence of paths.
+        trial = C.build_communicator(config=C.RingConfig(compression="auto", explore_band=100.0, explore_calls=2))
+        x = _random(1 << 18, torch.bfloat16, self.rank)
+        paths = []
+        for _ in range(6):
+            before = trial.stats.compressed
+            out = trial.all_reduce(x)
+            paths.append(int(trial.stats.compressed - before))
+            if not self._same_on_all_ranks(out):
+                problems.append("trial: ranks got different bits")
+        if paths[:4] != [1, 0, 1, 0] or len(set(paths[4:])) != 1:
+            problems.append(f"trial: paths {paths}, expected compressed/native alternating, then one")
+        seqs = self._gather(torch.tensor(paths))
+        if any(not torch.equal(s, seqs[0]) for s in seqs):
+            problems.append(f"trial: ranks took different paths: {[s.tolist() for s in seqs]}")
         return "; ".join(p for p in problems if p)
 
     def _verbs(self, comm) -> str:
@@ -342,6 +358,40 @@ def test_threshold_model():
     pol.set_measurements(Measurements(native_latency_s=1e-4, link_Bps=5e9, compress_Bps=1e9, decompress_Bps=1.5e9,
                                       hop_latency_s=3e-4, ratio={"bfloat16": 0.69}))
     assert pol.threshold("bfloat16") == math.inf
+
+
+def test_trial_near_break_even():
+    """Near the break-even the model is not trusted: a size class alternates both paths,
+    the agreed measurements settle it, and they may overrule the model."""
+    from uzip_serve.collectives.adaptive import AdaptivePolicy, Measurements, RingConfig
+
+    pol = AdaptivePolicy(RingConfig(explore_calls=2), 2, lambda nbytes: 256 << 10)
+    pol.set_measurements(Measurements(native_latency_s=2e-4, link_Bps=0.125e9, compress_Bps=0.5e9,
+                                      decompress_Bps=0.45e9, hop_latency_s=1e-3, ratio={"bfloat16": 0.69}))
+    t = pol.threshold("bfloat16")
+    near = int(t * 1.1)
+    tn, tc = pol.predict(near, "bfloat16")
+    assert abs(tc / tn - 1) < 0.25, "the test needs a size near the break-even"
+    far = 64 << 20
+    assert pol.choose(far, "bfloat16") == "compressed" and not pol.trials  # far: the model, no trial
+    assert pol.choose(4 << 10, "bfloat16") == "native"
+    seq = []
+    for _ in range(4):
+        path = pol.choose(near, "bfloat16")
+        seq.append(path)
+        # compressed measured 1.5x its prediction, native as predicted: compression loses
+        pol.observe(path, near, "bfloat16", (tc * 1.5) if path == "compressed" else tn, 0.69)
+    assert seq == ["compressed", "native", "compressed", "native"]
+    assert pol.choose(near, "bfloat16") == "agree"
+    report = pol.trial_report(near, "bfloat16")
+    assert report == [pytest.approx(1.5), pytest.approx(1.0)]
+    pol.settle(near, "bfloat16", report)
+    assert pol.choose(near, "bfloat16") == "native"  # the model said compressed
+    assert pol.choose(near + 1, "bfloat16") == "native"  # the same size class
+    # a fixed threshold or explore_calls=0 never tries
+    fixed = AdaptivePolicy(RingConfig(explore_calls=0), 2, lambda nbytes: 256 << 10)
+    fixed.set_measurements(pol.m)
+    assert fixed.choose(near, "bfloat16") == "compressed"
 
 
 # ---- CUDA backend: needs two GPUs (never in CI); the lead runs it on the GPU machine ----

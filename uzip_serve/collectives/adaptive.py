@@ -15,14 +15,21 @@ whichever is slower. Each side is scaled by a correction factor learned from the
 calls that took it.
 
 The compressed path is taken when B >= threshold(dtype), the smallest size at which
-T_c < (1 - margin) * T_n (infinite when the codec is slower than the link). Every rank
-must take the same path, so every number that feeds the decision is the maximum over
-ranks of what each rank measured (a tiny all-reduce at calibration and then every
-`resync_every` calls), never a rank's local view.
+T_c < (1 - margin) * T_n (infinite when the codec is slower than the link). Near the
+break-even, where the predicted T_c is within `explore_band` of T_n, the model is not
+trusted: sharing cores, the codec and the wire overlap less than its
+max() assumes (measured: 10.6 ms for a 1 MiB all-reduce predicted at 8.3). There each
+size class (a power of two) is tried both ways, `explore_calls` calls per path
+alternating, and the measured times decide from then on.
+
+Every rank must take the same path, so every number that feeds the decision is the
+maximum over ranks of what each rank measured (a tiny all-reduce at calibration, at the
+end of each size class's trial, and every `resync_every` calls), never a rank's local view.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import math
@@ -40,6 +47,7 @@ _ENV = {
     "codec_threads": "UZIP_ALLREDUCE_THREADS",
     "resync_every": "UZIP_ALLREDUCE_RESYNC_EVERY",
     "validate": "UZIP_ALLREDUCE_VALIDATE",
+    "explore_calls": "UZIP_ALLREDUCE_EXPLORE_CALLS",
 }
 
 
@@ -76,6 +84,12 @@ class RingConfig:
     validate: bool = False
     #: messages below this never consider compression (and never trigger calibration).
     floor_bytes: int = 32 << 10
+    #: sizes whose predicted compressed time is within this fraction of the native one
+    #: are measured both ways before their size class settles.
+    explore_band: float = 0.25
+    #: calls per path in such a trial; 0 trusts the model everywhere.
+    #: (UZIP_ALLREDUCE_EXPLORE_CALLS)
+    explore_calls: int = 4
 
     def __post_init__(self):
         if self.compression not in ("auto", "on", "off"):
@@ -88,6 +102,8 @@ class RingConfig:
             raise ValueError(f"codec_threads must be >= 1, got {self.codec_threads}")
         if not 0 <= self.margin < 1:
             raise ValueError(f"margin must be in [0, 1), got {self.margin}")
+        if self.explore_calls < 0 or self.explore_band < 0:
+            raise ValueError("explore_calls and explore_band must be >= 0")
 
     @classmethod
     def from_env(cls, **overrides) -> "RingConfig":
@@ -128,11 +144,24 @@ class Measurements:
     correct_native: float = 1.0
 
 
+@dataclasses.dataclass
+class Trial:
+    """One size class near the break-even, tried both ways. `local`: this rank's
+    measured / modelled time per path (the model without its global corrections);
+    `factors`: the agreed (maximum over ranks) medians, once every rank has them."""
+
+    calls: int = 0
+    local: dict[str, list[float]] = dataclasses.field(default_factory=lambda: {"compressed": [], "native": []})
+    factors: dict[str, float] | None = None
+
+
 class AdaptivePolicy:
     """Decides native vs compressed for one communicator. The decision depends only
-    on (message size, dtype, agreed measurements): the same on every rank."""
+    on (message size, dtype, call count, agreed measurements): the same on every rank."""
 
     MIN_THRESHOLD = 4 << 10
+    PATHS = ("compressed", "native")
+    CORRECT_WINDOW = 64
 
     def __init__(self, config: RingConfig, world: int, sub_bytes_of):
         self.config = config
@@ -140,9 +169,13 @@ class AdaptivePolicy:
         self._sub_bytes_of = sub_bytes_of  # nbytes -> sub-chunk bytes the engine would use
         self.m: Measurements | None = None
         self._thresholds: dict[str, float] = {}
-        # Local (not yet agreed) observations of actual/predicted time, as EWMAs.
-        self.local_correct = {"compressed": None, "native": None}
+        # Local (not yet agreed) observations of actual/predicted time: the last CORRECT_WINDOW
+        # per path. Their median, not a mean: a call here takes 1x or 4x its usual time at
+        # random (scheduling on shared cores), and a mean would chase the slow mode.
+        self._observed = {"compressed": collections.deque(maxlen=self.CORRECT_WINDOW),
+                          "native": collections.deque(maxlen=self.CORRECT_WINDOW)}
         self.local_ratio: dict[str, float] = {}
+        self.trials: dict[tuple[str, int], Trial] = {}
 
     # ---- the model ----
 
@@ -180,6 +213,36 @@ class AdaptivePolicy:
             first = b
         return first
 
+    # ---- near the break-even: measure instead of trusting the model ----
+
+    def choose(self, nbytes: int, dtype_name: str) -> str:
+        """"compressed", "native", or "agree": this size class's trial is complete and the
+        ranks must now agree on its outcome (`trial_report`, then `settle`)."""
+        model = "compressed" if nbytes >= self.threshold(dtype_name) else "native"
+        if self.config.min_bytes is not None or self.config.explore_calls == 0 or self.config.fallback != "native":
+            return model  # (the model predicts the native all-reduce, not the uncompressed ring)
+        t_native, t_compressed = self.predict(nbytes, dtype_name)
+        if abs(t_compressed / t_native - 1) > self.config.explore_band:
+            return model  # far from the break-even: the model is right often enough
+        trial = self.trials.setdefault(_trial_key(nbytes, dtype_name), Trial())
+        if trial.factors is not None:
+            keep = 1 - self.config.margin
+            fc, fn = trial.factors["compressed"], trial.factors["native"]
+            return "compressed" if t_compressed / self.m.correct_compressed * fc < \
+                keep * t_native / self.m.correct_native * fn else "native"
+        if trial.calls < 2 * self.config.explore_calls:
+            trial.calls += 1
+            return self.PATHS[(trial.calls - 1) % 2]  # compressed first, then alternating
+        return "agree"
+
+    def trial_report(self, nbytes: int, dtype_name: str) -> list[float]:
+        """This rank's medians (measured / modelled) for the size class, compressed then native."""
+        trial = self.trials[_trial_key(nbytes, dtype_name)]
+        return [_median(trial.local[p]) for p in self.PATHS]
+
+    def settle(self, nbytes: int, dtype_name: str, agreed: list[float]) -> None:
+        self.trials[_trial_key(nbytes, dtype_name)].factors = dict(zip(self.PATHS, agreed))
+
     def describe(self, dtype_name: str) -> str:
         m = self.m
         t = self.threshold(dtype_name)
@@ -198,16 +261,32 @@ class AdaptivePolicy:
         tn, tc = self.predict(nbytes, dtype_name)
         pred = (tc / self.m.correct_compressed) if path == "compressed" else (tn / self.m.correct_native)
         if pred > 0:
-            old = self.local_correct[path]
             x = seconds / pred
-            self.local_correct[path] = x if old is None else 0.7 * old + 0.3 * x
+            self._observed[path].append(x)
+            trial = self.trials.get(_trial_key(nbytes, dtype_name))
+            if trial is not None and trial.factors is None:
+                trial.local[path].append(x)
         if ratio is not None:
             old = self.local_ratio.get(dtype_name)
             self.local_ratio[dtype_name] = ratio if old is None else 0.7 * old + 0.3 * ratio
 
+    def local_correction(self, path: str) -> float | None:
+        """This rank's measured / modelled time of `path` (median of recent calls), or None."""
+        xs = self._observed[path]
+        return _median(list(xs)) if xs else None
+
     def set_measurements(self, m: Measurements) -> None:
         self.m = m
         self._thresholds.clear()
+
+
+def _trial_key(nbytes: int, dtype_name: str) -> tuple[str, int]:
+    return dtype_name, max(nbytes, 1).bit_length()  # size classes [2^k, 2^(k+1))
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else 1.0
 
 
 def _human(nbytes: float) -> str:

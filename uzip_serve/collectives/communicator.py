@@ -27,6 +27,10 @@ SAMPLE_BYTES = 2 << 20  # the caller's data coded to measure the codec and the r
 RATIO_PROBE_BYTES = 512 << 10
 
 
+def _size(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):.2f} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
+
+
 def _dtype_name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -191,7 +195,14 @@ class RingCommunicator(Communicator):
         if self.config.min_bytes is not None:
             return "compressed" if nbytes >= self.config.min_bytes else fallback
         self._ensure_measured(x, dname)
-        return "compressed" if nbytes >= self.policy.threshold(dname) else fallback
+        path = self.policy.choose(nbytes, dname)
+        if path == "agree":  # every rank reaches this call of the size class's trial together
+            agreed = self._agree_max(self.policy.trial_report(nbytes, dname))
+            self.policy.settle(nbytes, dname, agreed)
+            path = self.policy.choose(nbytes, dname)
+            logger.info("uzip all-reduce (%s): %s %s near the break-even measured %.2f / %.2f of the model "
+                        "(compressed / native) -> %s", type(self).__name__, _size(nbytes), dname, *agreed, path)
+        return "compressed" if path == "compressed" else fallback
 
     def _ensure_measured(self, x: "torch.Tensor", dname: str) -> None:
         if self.policy.m is None:
@@ -270,7 +281,7 @@ class RingCommunicator(Communicator):
         """Every rank contributes what it observed since the last agreement; all adopt
         the maxima, so thresholds move in lockstep."""
         p = self.policy
-        vec = [p.local_correct["compressed"] or 0.0, p.local_correct["native"] or 0.0]
+        vec = [p.local_correction("compressed") or 0.0, p.local_correction("native") or 0.0]
         vec += [p.local_ratio.get(d, 0.0) for d in SUM_DTYPE_NAMES]
         agreed = self._agree_max(vec)
         m = p.m
