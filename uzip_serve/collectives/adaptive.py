@@ -222,9 +222,14 @@ class AdaptivePolicy:
         if self.config.min_bytes is not None or self.config.explore_calls == 0 or self.config.fallback != "native":
             return model  # (the model predicts the native all-reduce, not the uncompressed ring)
         t_native, t_compressed = self.predict(nbytes, dtype_name)
-        if abs(t_compressed / t_native - 1) > self.config.explore_band:
+        m, band = self.m, self.config.explore_band
+        # Near the break-even with or without the learned corrections: those are learned on
+        # other sizes, and the model's error depends on the size (fill and fixed costs).
+        uncorrected = t_compressed / m.correct_compressed / (t_native / m.correct_native)
+        key = _trial_key(nbytes, dtype_name)
+        if key not in self.trials and abs(t_compressed / t_native - 1) > band and abs(uncorrected - 1) > band:
             return model  # far from the break-even: the model is right often enough
-        trial = self.trials.setdefault(_trial_key(nbytes, dtype_name), Trial())
+        trial = self.trials.setdefault(key, Trial())
         if trial.factors is not None:
             keep = 1 - self.config.margin
             fc, fn = trial.factors["compressed"], trial.factors["native"]
@@ -262,9 +267,10 @@ class AdaptivePolicy:
         pred = (tc / self.m.correct_compressed) if path == "compressed" else (tn / self.m.correct_native)
         if pred > 0:
             x = seconds / pred
-            self._observed[path].append(x)
             trial = self.trials.get(_trial_key(nbytes, dtype_name))
-            if trial is not None and trial.factors is None:
+            if trial is None:  # the global corrections learn from sizes the model decides alone
+                self._observed[path].append(x)
+            elif trial.factors is None:
                 trial.local[path].append(x)
         if ratio is not None:
             old = self.local_ratio.get(dtype_name)
