@@ -107,14 +107,16 @@ def _our_receiver(q, port_q, cfg, sizes, dest, reps, own_loop=False):
             else:
                 into = {"w": torch.empty(nbytes // 2, dtype=torch.bfloat16, pin_memory=True)}
             prof = _LoopProfile("receiver") if nbytes == max(sizes) else None
+            preposted = 0
             for i in range(reps[nbytes] + 2):
                 if prof and i == 2:
                     prof.start()
                 await ep.recv_tensors(into=into)
+                preposted += ep.last_stats.preposted
             if prof:
                 prof.stop()
             ok = torch.equal(into["w"].cuda().view(torch.int16), _src(nbytes).view(torch.int16))
-            q.put(("checked", nbytes, ok))
+            q.put(("checked", nbytes, ok, preposted))
         await ep.close()
 
     asyncio.run(main())
@@ -232,13 +234,14 @@ def bench_ours(sizes, compression, dest="cuda", cuda_ipc="auto", cuda_ucx="auto"
                         runs.append([(name, t - t0) for name, t in marks])
                 if prof:
                     prof.stop()
-                _, _, ok = q.get(timeout=300)
+                _, _, ok, preposted = q.get(timeout=300)
                 med = statistics.median(times)
                 out[nbytes] = {"gbps": nbytes / med / 1e9, "median_s": med, "min_s": min(times), "exact": bool(ok),
+                               "receiver_preposted": f"{preposted} of {len(times) + 2}",
                                "path": stats.path, "ratio": stats.ratio, "chunks_compressed": stats.chunks_compressed,
                                "decision": stats.decisions[-1].reason if stats.decisions else None}
                 print(f"  ours {compression:>4} ->{dest}: {nbytes // MiB:5d} MiB {out[nbytes]['gbps']:8.1f} GB/s "
-                      f"path={stats.path} ratio={stats.ratio:.3f} exact={ok}", flush=True)
+                      f"path={stats.path} ratio={stats.ratio:.3f} exact={ok} preposted={preposted}", flush=True)
                 if trace and runs:
                     out[nbytes]["timeline"] = _timeline(runs)
                     print(f"    sender timeline: {out[nbytes]['timeline']}; total {med * 1e3:.3f} ms", flush=True)

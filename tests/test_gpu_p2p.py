@@ -169,9 +169,11 @@ def _receiver(q, config_kwargs, rounds, relay_port=None):
             except p2p.TransferError as e:
                 if not extra:
                     raise
-                q.put(("got", [type(e).__name__], None, 0, sent))
+                q.put(("got", [type(e).__name__], None, 0, sent, False))
                 break
             bad = []
+            if where.endswith("_into"):
+                got = {**into, **got}  # a transfer may fill only some of `into`
             for name, dt, n, seed in specs:
                 t = got[name]
                 want_dev = "cuda" if where.startswith("cuda") else "cpu"
@@ -181,7 +183,7 @@ def _receiver(q, config_kwargs, rounds, relay_port=None):
                 if not ok:
                     bad.append(name)
             st = ep.last_stats
-            q.put(("got", bad, st.path, st.chunks_compressed, sent))
+            q.put(("got", bad, st.path, st.chunks_compressed, sent, st.preposted))
             del got
         await ep.close()
         if down is not None:
@@ -286,7 +288,7 @@ def size_rounds(where):
 ])
 def test_gpu_routes_bit_exact_0_to_1gib(where, receiver, path):
     results = run_rounds(size_rounds(where), **receiver)
-    for stats, (_, bad, got_path, compressed, _) in results:
+    for stats, (_, bad, got_path, compressed, *_) in results:
         assert not bad, f"mismatch in {bad}"
         assert compressed == 0 and stats.chunks_compressed == 0  # auto mode: raw on this link
     # the first round is 0 bytes (no GPU route: nothing sits on a GPU)
@@ -301,13 +303,46 @@ def _two(where, seed, *options):
 @gpu
 def test_standing_go_ahead_then_eager_transfers_to_any_destination():
     """One go-ahead per endpoint: later transfers send the payload behind the offer (the
-    receiver sends the final ACK only), and take host or new destinations through a GPU buffer."""
-    wheres = ["cuda_into", "cuda_new", "cpu_new", "cpu_into", "cuda_into"]
+    receiver sends the final ACK only), and take host or new destinations through a GPU buffer.
+    A CUDA `into` with the layout of the last route transfer gets its receives posted before
+    the header arrives (preposted); any other layout or destination does not."""
+    wheres = ["cuda_into", "cuda_new", "cpu_new", "cpu_into", "cuda_into", "cuda_into", "cuda_into"]
     results = run_rounds([_two(w, 10 * i) for i, w in enumerate(wheres)])
     assert all(not bad for _, (_, bad, *_) in results)
-    assert [s.path for s, _ in results] == ["ucx_cuda"] * 5
-    assert [r[2] for _, r in results] == ["ucx_cuda", "ucx_cuda", "ucx_cuda_staged", "ucx_cuda_staged", "ucx_cuda"]
-    assert [r[4] for _, r in results] == [2, 1, 1, 1, 1]  # go-ahead + final ACK, then the final ACK alone
+    assert [s.path for s, _ in results] == ["ucx_cuda"] * 7
+    assert [r[2] for _, r in results] == ["ucx_cuda", "ucx_cuda", "ucx_cuda_staged", "ucx_cuda_staged"] + \
+        ["ucx_cuda"] * 3
+    assert [r[4] for _, r in results] == [2] + [1] * 6  # go-ahead + final ACK, then the final ACK alone
+    assert [r[5] for _, r in results] == [False] * 5 + [True, True]
+
+
+@gpu
+def test_preposted_receives_never_catch_another_layout():
+    """The receiver expects the last layout, the sender sends a subset that fits the same
+    `into`: the early receives stay unmatched (another tag), the transfer takes the normal
+    way, bit-exact, and the next repeats of a layout are preposted again."""
+    full = _two("cuda_into", 1)
+    part = ([full[0][0]], "cuda_into")  # only "w": fits an `into` that also has "x" and "e"
+    from uzip_serve import p2p
+
+    rounds = [full, full, part, full, full, full]
+    peer = Peer([(full[0], "cuda_into")] * len(rounds))  # the receiver's `into` is always the full layout
+    try:
+        async def main():
+            ep = await p2p.connect("127.0.0.1", peer.port, p2p.TransportConfig())
+            out = []
+            for specs, *_ in rounds:
+                await ep.send_tensors(batch(specs))
+                out.append(peer.get())
+            await ep.close()
+            return out
+
+        reports = asyncio.run(main())
+    finally:
+        peer.stop()
+    # the receiver checks every tensor of the full layout: after `part` only "w" is fresh
+    assert [r[1] for r in reports] == [[], [], ["x"], [], [], []]
+    assert [r[5] for r in reports] == [False, True, False, False, True, True]
 
 
 @gpu
@@ -350,7 +385,7 @@ def test_cuda_ipc_compressed_chunks_bit_exact(where):
              ([("r", "uint8", 3 * MiB + 1, 4)], where)]
     cfg = dict(compression="on", ipc_chunk_bytes=32 * MiB)
     results = run_rounds(specs, cfg, **cfg)
-    for stats, (_, bad, path, compressed, _) in results:
+    for stats, (_, bad, path, compressed, *_) in results:
         assert not bad and path == "cuda_ipc" and stats.path == "cuda_ipc"
     assert results[0][0].chunks_compressed >= 3 and results[0][0].wire_bytes < 0.75 * results[0][0].raw_bytes
 

@@ -2,6 +2,7 @@
 so corruption and protocol violations can be injected exactly."""
 
 import asyncio
+import os
 import struct
 from concurrent.futures import ThreadPoolExecutor
 
@@ -287,3 +288,81 @@ def test_chunk_header_checked_against_the_plan():
     raw = proto.ChunkHeader(0, proto.CODEC_RAW, 1000, 999).pack()
     with pytest.raises(ProtocolError, match="wire bytes"):
         proto.ChunkHeader.unpack_expected(raw, 0, 1000, 4096)  # a raw chunk is exactly its bytes
+
+
+def test_payload_tag_is_the_same_in_every_process_and_unique_per_transfer():
+    """ucxx hashes user tags with hash(): the tag must be an int (str/bytes hashes are salted
+    per process), equal on both sides, and differ with the transfer id or the layout."""
+    import subprocess
+    import sys
+
+    m1 = proto.encode_manifest([proto.TensorEntry("w", "bfloat16", (4, 2), 16)])
+    m2 = proto.encode_manifest([proto.TensorEntry("w", "bfloat16", (2, 4), 16)])
+    tag = proto.payload_tag(7, m1)
+    assert isinstance(tag, int) and 0 <= tag < 1 << 63 and hash(tag) == tag % ((1 << 61) - 1)
+    code = f"from uzip_serve.p2p import protocol as p; print(hash(p.payload_tag(7, {m1!r})))"
+    for seed in ("1", "2"):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                             env={**os.environ, "PYTHONHASHSEED": seed}).stdout
+        assert int(out) == hash(tag)
+    assert len({tag, proto.payload_tag(8, m1), proto.payload_tag(7, m2)}) == 3
+
+
+def test_relay_renumbers_headers_so_ids_only_grow():
+    """A cut-through relay forwards a header with the downstream endpoint's own next id; a
+    receiver that ever sees ids fail to grow stops posting receives early."""
+    from uzip_serve.p2p.ucx_cuda import Route
+
+    r = Route()
+    r.note_header(1, b"m")
+    assert (r.last_id, r.last_manifest) == (1, b"m")
+    r.note_header(2, None)  # another route
+    assert r.last_manifest is None
+    r.note_header(3, b"m")
+    assert r.last_manifest == b"m"
+    r.note_header(3, b"m")  # did not grow: never again
+    r.note_header(9, b"m")
+    assert r.last_manifest is None
+
+    class Counting:
+        def __init__(self):
+            self.ids = iter(range(100, 200))
+            self.sent = []
+
+        def next_transfer_id(self):
+            return next(self.ids)
+
+        async def send(self, buf):
+            self.sent.append(bytes(buf))
+
+    async def main():
+        a, b = Counting(), Counting()
+        relay = split_send._Relay([a, b])
+        relay.pass_header(proto.TransferHeader(10, 1, 1 << 20, 5))
+        relay.pass_header(proto.TransferHeader(10, 1, 1 << 20, 6))
+        await relay.drain()
+        return a, b
+
+    a, b = asyncio.run(main())
+    ids = [[proto.TransferHeader.unpack(m, max_manifest_bytes=1 << 20).transfer_id for m in c.sent] for c in (a, b)]
+    assert ids == [[100, 101], [100, 101]]
+
+
+def test_gpu_route_policy_is_not_fooled_by_fixed_costs():
+    """A 256 MiB GPU transfer takes ~1.5 ms on one H200, mostly fixed costs: as a link sample
+    that is 179 GB/s. The GPU codec's chunked pipeline moves ~40 GB/s end to end, so `auto`
+    must stay raw there; only a path measured slower than that (no peer access) compresses."""
+    from uzip_serve.p2p import ipc_send
+
+    class Codec:  # wants_chunks only asks whether a GPU codec exists
+        pass
+
+    cfg = TransportConfig()
+    fast = AdaptivePolicy.for_cuda_ipc("auto")
+    assert not ipc_send.wants_chunks(fast, Codec(), 256 << 20, cfg)  # the prior: NVLink-class
+    fast.observe_link(256 << 20, 1.5e-3)
+    assert not ipc_send.wants_chunks(fast, Codec(), 256 << 20, cfg)
+    slow = AdaptivePolicy.for_cuda_ipc("auto")
+    slow.observe_link(256 << 20, 256 / 1024 / 12)  # 12 GB/s: staged through host memory
+    assert ipc_send.wants_chunks(slow, Codec(), 256 << 20, cfg)
+    assert not ipc_send.wants_chunks(slow, None, 256 << 20, cfg)  # no GPU codec, nothing to compress with

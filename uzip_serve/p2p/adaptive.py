@@ -60,6 +60,9 @@ class TransferStats:
     # GPU buffer into host memory or several GPUs) or "cuda_ipc" (our IPC handles, same host).
     path: str = "ucx"
     decisions: list[Decision] = dataclasses.field(default_factory=list)
+    # Receiver, CUDA route: the payload landed in receives posted before the transfer's
+    # header arrived (ucx_cuda.PrePost).
+    preposted: bool = False
 
     @property
     def ratio(self) -> float:
@@ -109,11 +112,16 @@ class AdaptivePolicy:
 
     @classmethod
     def for_cuda_ipc(cls, mode: str = "auto") -> "AdaptivePolicy":
-        """The CUDA IPC path's policy. Until measured, the link is assumed NVLink-class
-        (400 GB/s; one GPU copies at ~2000) and the codec the GPU codec as measured on the
-        H200 (~0.2 TB/s, docs/gpu.md): compression does not pay, every transfer goes raw
-        in one step. Only a measured slow path (GPUs without peer access) brings it back."""
-        return cls(mode, prior_link_gbps=400.0, prior_compress_gbps=200.0, prior_decompress_gbps=250.0)
+        """The GPU routes' policy (CUDA route and IPC). Until measured, the link is assumed
+        NVLink-class (400 GB/s; one GPU copies at ~2000). The codec stands for what a compressed
+        GPU transfer really moves end to end, the IPC chunked pipeline with its per-chunk
+        syncs: 36-42 GB/s measured on the H200 (docs/gpu_p2p.md), not the kernels' 0.2-0.3
+        TB/s. A link sample is a whole transfer's bytes over its time, fixed costs included
+        (256 MiB in ~1.2-1.5 ms on one H200: "170-220 GB/s"), so with the kernels' speed as the
+        prior one slow first transfer sent `auto` into the chunked mode at 37 GB/s (0.2x raw).
+        Compression is considered only on a path measured slower than ~36 GB/s (GPUs without
+        peer access, staged through host memory)."""
+        return cls(mode, prior_link_gbps=400.0, prior_compress_gbps=40.0, prior_decompress_gbps=40.0)
 
     def observe_link(self, wire_bytes: int, seconds: float, *, lower_bound: bool = False) -> None:
         """An end-to-end measurement: bytes until the receiver acknowledged them.

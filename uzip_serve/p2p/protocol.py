@@ -15,6 +15,7 @@ chunk plan from the manifest, so chunk headers need not say where a chunk goes.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import struct
 from collections.abc import Sequence
 
@@ -412,7 +413,8 @@ class IpcOffer:
 #
 # One message after the manifest: the fixed head, then one u64 digest per manifest entry
 # (zeros unless the checksum flag is set), so its size follows from the manifest. On ACK_OK
-# the payload is UCX messages in the order of plan_cuda_messages, then the final ACK.
+# (or at once, eagerly) the payload is UCX messages in the order of plan_cuda_messages, on
+# the tag payload_tag(seq, manifest), then the final ACK on the endpoint's own tag.
 
 CUDA_ROUTE_MAGIC = b"UZC1"
 CUDA_ROUTE_HAS_CHECKSUMS = 1
@@ -458,6 +460,16 @@ class CudaRouteOffer:
             digests = tuple(_DIGEST.unpack_from(mv, CUDA_ROUTE_HEAD.size + _DIGEST.size * i)[0]
                             for i in range(num_entries))
         return cls(host_id, digests)
+
+
+def payload_tag(seq: int, manifest: bytes) -> int:
+    """The UCX tag of a CUDA route payload: the transfer's sequence number on its endpoint
+    (both sides count every transfer header) and the manifest's bytes. A receiver that
+    expects a layout posts its receives on this tag before the header arrives; they match
+    only the transfer they were meant for, never a later one or another layout. An int:
+    ucxx hashes user tags with hash(), which is salted per process for bytes, not for ints."""
+    digest = hashlib.blake2b(seq.to_bytes(8, "little") + bytes(manifest), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1  # < 2^63: hash() of it is the value itself
 
 
 def plan_cuda_messages(entries: Sequence[TensorEntry]) -> list[tuple[int, ...]]:

@@ -225,7 +225,8 @@ async def send_tensors(channel: Channel, tensors, *, config: TransportConfig, po
 
         # The route's offer is posted behind these before they are awaited: one fewer wait.
         done = await ucx_cuda.send(channel, entries, flats, config=config, policy=ipc_policy or policy,
-                                   route=cuda_route, stream=stream, posted=posted)
+                                   route=cuda_route, stream=stream, posted=posted,
+                                   tag=proto.payload_tag(transfer_id, manifest))
         # None: refused (a host destination, say); the IPC offer or the chunk stream follows
     else:
         for sent in posted:
@@ -342,7 +343,7 @@ def _check_into(into: Mapping[str, torch.Tensor], entries: list[proto.TensorEntr
 async def recv_tensors(channel: Channel, *, config: TransportConfig, executor: Executor,
                        into: Mapping[str, torch.Tensor] | None = None,
                        forward: Sequence[Channel] = (), ipc=None, stream=None,
-                       device=None, cuda_route=None) -> tuple[dict[str, torch.Tensor], TransferStats]:
+                       device=None, cuda_route=None, prepost=None) -> tuple[dict[str, torch.Tensor], TransferStats]:
     """Receives one transfer. Tensors are returned only once every chunk arrived and
     passed its checksum; on any failure nothing is returned (an `into` tensor may then
     hold partial data) and the sender is told why, where the connection still allows.
@@ -355,11 +356,12 @@ async def recv_tensors(channel: Channel, *, config: TransportConfig, executor: E
     `device`: where new tensors are allocated when `into` is not given (default: CPU).
     `cuda_route` (a ucx_cuda.Route, where this process's UCX carries CUDA memory) accepts
     the sender's CUDA route into CUDA destinations; `ipc` (a cuda_ipc.Importer) its CUDA IPC
-    offer. Both order their work after `stream`'s (default: the device's current stream)."""
+    offer. Both order their work after `stream`'s (default: the device's current stream).
+    `prepost` (a ucx_cuda.PrePost): the route's receives, posted early for the layout expected."""
     relay = _Relay(forward)
     try:
         result = await _recv_tensors(channel, config, executor, into, relay, ipc=ipc, stream=stream, device=device,
-                                     cuda_route=cuda_route)
+                                     cuda_route=cuda_route, prepost=prepost)
     except (ChecksumError, ProtocolError) as e:
         status = proto.ACK_CHECKSUM if isinstance(e, ChecksumError) else proto.ACK_PROTOCOL
         try:
@@ -394,6 +396,14 @@ class _Relay:
         self.inflight.extend(futs)
         return futs
 
+    def pass_header(self, header: proto.TransferHeader) -> None:
+        """The transfer header, renumbered with each downstream endpoint's own next transfer
+        id: ids on an endpoint must only grow (ucx_cuda.PrePost relies on it)."""
+        for c in self.channels:
+            next_id = getattr(c, "next_transfer_id", None)
+            h = dataclasses.replace(header, transfer_id=next_id()) if next_id else header
+            self.inflight.append(asyncio.ensure_future(c.send(h.pack())))
+
     async def drain(self) -> None:
         if self.inflight:
             await asyncio.gather(*self.inflight)
@@ -411,7 +421,7 @@ class _Relay:
 
 
 async def _recv_tensors(channel, config, executor, into, relay: _Relay, ipc=None, stream=None, device=None,
-                        cuda_route=None):
+                        cuda_route=None, prepost=None):
     loop = asyncio.get_running_loop()
     if config.compression != "off" and _uses_cuda(into, device):  # compressed chunks get decoded on the GPU
         await _load_gpu_codec(_gpu_codec(), torch.cuda.current_device(), executor)
@@ -425,11 +435,9 @@ async def _recv_tensors(channel, config, executor, into, relay: _Relay, ipc=None
         # An eager CUDA route payload is on its way: nothing downstream can be cut through.
         # The whole transfer is taken first, then sent on (_Relay.hold).
         relay.hold()
-    elif header.flags & gpu_flags and relay.channels:
-        # Downstream peers get the chunk stream this receiver asks for, never an offer.
-        relay.pass_on(dataclasses.replace(header, flags=header.flags & ~gpu_flags).pack())
     else:
-        relay.pass_on(head)
+        # Downstream peers get the chunk stream this receiver asks for, never an offer.
+        relay.pass_header(dataclasses.replace(header, flags=header.flags & ~gpu_flags))
     manifest = bytearray(header.manifest_nbytes)
     if manifest:
         await channel.recv(manifest)
@@ -446,8 +454,10 @@ async def _recv_tensors(channel, config, executor, into, relay: _Relay, ipc=None
 
         got = await ucx_cuda.recv(channel, entries, config=config, route=cuda_route,
                                   relaying=bool(relay.channels), into=into, stream=stream, device=device,
-                                  eager=eager)
+                                  eager=eager, prepost=prepost, tag=proto.payload_tag(header.transfer_id, manifest))
         # None: refused; the sender goes on with the IPC offer or the chunk stream
+    if cuda_route is not None:  # what the next transfer's PrePost expects
+        cuda_route.note_header(header.transfer_id, bytes(manifest) if got is not None else None)
     if got is None and header.flags & proto.FLAG_CUDA_IPC:
         from uzip_serve.p2p import ipc_send
 

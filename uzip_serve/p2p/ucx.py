@@ -36,7 +36,6 @@ logger = logging.getLogger(__name__)
 
 _started_with: TransportConfig | None = None
 _started_tls: str | None = None  # the UCX_TLS that UCX really started with
-_ids = itertools.count(1)
 # What ucx_tls="auto" asks for on a host with CUDA: UCX then moves GPU memory itself,
 # through cuda_ipc between processes of one host (docs/gpu_p2p.md).
 CUDA_TLS = "tcp,cuda_copy,cuda_ipc"
@@ -126,6 +125,8 @@ class Endpoint:
         # The CUDA route needs UCX's CUDA transports in this process (the peer checks its own).
         self._cuda_route = ucx_cuda.Route() if config.cuda_ucx != "off" and carries_cuda() else None
         self.last_stats: TransferStats | None = None
+        # Per endpoint and direction, so that a receiver can tell the next one (ucx_cuda.PrePost).
+        self._transfer_ids = itertools.count(1)
         # Codec work runs here so the event loop keeps progressing UCX meanwhile.
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="uzip-codec")
         self._closed = False
@@ -148,26 +149,39 @@ class Endpoint:
         except Exception as e:  # noqa: BLE001 - translated into a typed error or re-raised
             raise _translate(e, what) from e
 
-    async def send_many(self, bufs) -> None:
+    async def send_many(self, bufs, tag: int | None = None) -> None:
         """Sends several messages, all posted at once (UCX pipelines them), awaited in order:
-        each must complete within deadline_s of the one before, a deadline on progress."""
-        await self._many(self._ep.send, bufs, "send")
+        each must complete within deadline_s of the one before, a deadline on progress.
+        `tag`: a UCX tag of their own (protocol.payload_tag) instead of the endpoint's."""
+        await self.wait_many(self._post(self._ep.send, bufs, tag), "send")
 
-    async def recv_many(self, bufs) -> None:
+    async def recv_many(self, bufs, tag: int | None = None) -> None:
         """Receives into several buffers, in order; posted and awaited as in send_many."""
-        await self._many(self._ep.recv, bufs, "recv")
+        await self.wait_many(self.post_recvs(bufs, tag), "recv")
 
-    async def _many(self, op, bufs, what: str) -> None:
+    def post_recvs(self, bufs, tag: int | None = None) -> list[asyncio.Future]:
+        """Posts receives now; await them with wait_many. (UCX cannot take a posted receive
+        back: one never matched stays posted, harmlessly, until the endpoint closes.)"""
+        return self._post(self._ep.recv, bufs, tag)
+
+    def _post(self, op, bufs, tag) -> list[asyncio.Future]:
         self._check_open()
+        kw = {} if tag is None else {"tag": tag}
         # Tasks start in creation order, and each posts its UCX request in its first step,
         # so the messages are matched in this order.
-        futs = [asyncio.ensure_future(op(b)) for b in bufs]
+        return [asyncio.ensure_future(op(b, **kw)) for b in bufs]
+
+    async def wait_many(self, futs, what: str) -> None:
         try:
             for f in futs:
                 await asyncio.wait_for(asyncio.shield(f), self.config.deadline_s)
         except Exception as e:  # noqa: BLE001 - translated into a typed error or re-raised
             cancel_quietly(futs)
             raise _translate(e, what) from e
+
+    def next_transfer_id(self) -> int:
+        """Transfer ids grow by one per transfer sent on this endpoint (relayed ones included)."""
+        return next(self._transfer_ids)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -185,7 +199,7 @@ class Endpoint:
     async def _send_tensors(self, tensors, stream=None) -> TransferStats:
         try:
             self.last_stats = await split_send.send_tensors(self, tensors, config=self.config, policy=self.policy,
-                                                            executor=self._executor, transfer_id=next(_ids),
+                                                            executor=self._executor, transfer_id=self.next_transfer_id(),
                                                             ipc=self._ipc_exporter, ipc_policy=self.ipc_policy,
                                                             stream=stream, cuda_route=self._cuda_route)
             return self.last_stats
@@ -200,15 +214,20 @@ class Endpoint:
         return await on_ucx_loop(self._recv_tensors(into, forward, device, stream or cuda_ipc.caller_stream()))
 
     async def _recv_tensors(self, into, forward, device=None, stream=None) -> dict:
+        prepost = None if forward else ucx_cuda.PrePost.start(self, self._cuda_route, into, stream,
+                                                               self.config.deadline_s)
         try:
             out, self.last_stats = await split_send.recv_tensors(self, config=self.config, executor=self._executor,
                                                                  into=into, forward=forward, ipc=self._ipc_importer,
                                                                  stream=stream, device=device,
-                                                                 cuda_route=self._cuda_route)
+                                                                 cuda_route=self._cuda_route, prepost=prepost)
             return out
         except TransferError:
             self.abort()
             raise
+        finally:
+            if prepost is not None:
+                prepost.abandon()
 
     async def send_bytes(self, data: bytes) -> None:
         """A small control message: its length, then its bytes."""

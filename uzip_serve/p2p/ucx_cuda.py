@@ -64,8 +64,23 @@ class Route:
     """The CUDA route's state on one endpoint whose UCX carries CUDA memory."""
 
     def __init__(self):
-        self.refused = False  # the peer refused for good: offer it no more
-        self.standing = False  # the peer granted a standing go-ahead: send eagerly
+        self.refused = False  # sender: the peer refused for good: offer it no more
+        self.standing = False  # sender: the peer granted a standing go-ahead: send eagerly
+        self.granted = False  # receiver: this side granted one: the peer sends eagerly
+        # receiver: the last transfer header's id and, if it came by this route, its
+        # manifest: what PrePost expects of the next one
+        self.last_id: int | None = None
+        self.last_manifest: bytes | None = None
+        self._ids_grow = True
+
+    def note_header(self, transfer_id: int, route_manifest: bytes | None) -> None:
+        """Receiver: a transfer header arrived (`route_manifest`: its manifest if the route
+        carried it). Ids that ever fail to grow switch PrePost off for good: a receive posted
+        for an id that never came must never match a later transfer."""
+        if self.last_id is not None and transfer_id <= self.last_id:
+            self._ids_grow = False
+        self.last_id = transfer_id
+        self.last_manifest = route_manifest if self._ids_grow else None
 
 
 def _bufs(flats, messages, *, make_batch):
@@ -76,11 +91,12 @@ def _bufs(flats, messages, *, make_batch):
 # ---- sender -------------------------------------------------------------------------------
 
 async def send(channel: BulkChannel, entries, flats, *, config, policy: AdaptivePolicy, route: Route,
-               stream, posted=()) -> TransferStats | None:
+               stream, tag: int, posted=()) -> TransferStats | None:
     """Offers the CUDA route for tensors on one GPU (eagerly where the peer granted a standing
     go-ahead: the header then says so). Returns the stats, or None if the peer refused (the
     caller goes on with the next step of the same transfer). `posted`: the header's and the
-    manifest's sends, in flight; awaited here, after the offer is posted behind them."""
+    manifest's sends, in flight; awaited here, after the offer is posted behind them. `tag`:
+    the payload's (protocol.payload_tag)."""
     dev = next(f.device for f in flats if f.numel()).index
     stream = _stream_for(stream, dev)
     total = sum(e.nbytes for e in entries)
@@ -113,7 +129,7 @@ async def send(channel: BulkChannel, entries, flats, *, config, policy: Adaptive
         _raise_for(status)
         route.standing = detail == proto.ACK_STANDING
     t0 = time.perf_counter()
-    await _payload(channel, bufs)
+    await _payload(channel, bufs, tag)
     if total >= MIN_LINK_SAMPLE:
         policy.observe_link(total, time.perf_counter() - t0)
     if policy.mode == "on":  # only without a GPU codec: the caller compresses otherwise
@@ -127,11 +143,11 @@ async def send(channel: BulkChannel, entries, flats, *, config, policy: Adaptive
     return stats
 
 
-async def _payload(channel, bufs) -> None:
+async def _payload(channel, bufs, tag) -> None:
     """Sends the payload and takes the final ACK. The ACK's receive is posted with the payload:
     a receiver that failed before taking it (say, an `into` that does not fit) is heard at
     once, not after a deadline of payload sends that nobody will match."""
-    sending = asyncio.ensure_future(channel.send_many(bufs))
+    sending = asyncio.ensure_future(channel.send_many(bufs, tag))
     reply = asyncio.ensure_future(_reply(channel))
     try:
         await asyncio.wait((sending, reply), return_when=asyncio.FIRST_COMPLETED)
@@ -178,11 +194,12 @@ def _refusal(offer, route, config, relaying: bool, on_one_gpu: bool) -> tuple[st
 
 
 async def recv(channel: BulkChannel, entries, *, config, route: Route | None, relaying: bool, into, stream,
-               device, eager: bool = False):
+               device, tag: int, eager: bool = False, prepost: "PrePost | None" = None):
     """Takes (or refuses) the CUDA route. Returns (tensors, stats), or None after refusing.
     `eager` (FLAG_CUDA_UCX_EAGER): the payload is already coming; it is taken whatever the
     destination, through a GPU buffer if that is not on one GPU (a relaying caller forwards
-    the received tensors afterwards)."""
+    the received tensors afterwards). `tag`: the payload's; `prepost`: receives posted for
+    this transfer before its header arrived, used if they are the ones it needs."""
     buf = bytearray(proto.CudaRouteOffer.nbytes(len(entries)))
     await channel.recv(buf)
     offer = proto.CudaRouteOffer.unpack(buf, len(entries))
@@ -203,10 +220,29 @@ async def recv(channel: BulkChannel, entries, *, config, route: Route | None, re
         # of UCX's buffer when the receive is posted). It stands for later transfers: this
         # side can take any of them (staging through its GPU where it must).
         await channel.send(proto.ACK.pack(proto.ACK_OK, proto.ACK_STANDING))
-    return await _recv(channel, entries, offer, dest, config=config, into=into, stream=stream, device=device)
+        route.granted = True
+    if prepost is not None and prepost.tag == tag and prepost.into is into:
+        state = await prepost.adopt()
+        await channel.wait_many(state.futs, "recv")
+    else:
+        state = _prepare(entries, dest, into=into, stream=stream, device=device)
+        # UCX writes outside the caller's stream: work queued there on these tensors (or on
+        # the memory the allocator just handed out) must be done first.
+        await cuda_ipc.wait_event(state.ready, config.deadline_s, "CUDA route: earlier work on the destination")
+        await channel.recv_many(state.bufs, tag)
+    return _finish(state, entries, offer)
 
 
-async def _recv(channel, entries, offer, dest, *, config, into, stream, device):
+class _Receive:
+    """One route transfer's destination on the receiving side."""
+
+    def __init__(self, entries, outputs, flats, bufs, messages, staged, gpu, stream, ready):
+        self.entries, self.outputs, self.flats, self.bufs = entries, outputs, flats, bufs
+        self.messages, self.staged, self.gpu, self.stream, self.ready = messages, staged, gpu, stream, ready
+        self.futs: list[asyncio.Future] = []
+
+
+def _prepare(entries, dest, *, into, stream, device) -> _Receive:
     # staged: the destination is not on one GPU (host memory, several GPUs), so every message
     # lands in a buffer on this process's current GPU and is copied on from there.
     staged = dest is None
@@ -224,23 +260,77 @@ async def _recv(channel, entries, offer, dest, *, config, into, stream, device):
                 torch.empty(sum(entries[i].nbytes for i in m), dtype=torch.uint8, device=gpu) for m in messages]
         ready = torch.cuda.Event()
         ready.record(stream)
-    # UCX writes outside the caller's stream: work queued there on these tensors (or on the
-    # memory the allocator just handed out) must be done first.
-    await cuda_ipc.wait_event(ready, config.deadline_s, "CUDA route: earlier work on the destination")
-    await channel.recv_many(bufs)
-    with torch.cuda.device(gpu), torch.cuda.stream(stream):
-        for m, b in zip(messages, bufs):
-            if len(m) == 1 and not staged:
+    return _Receive(entries, outputs, flats, bufs, messages, staged, gpu, stream, ready)
+
+
+def _finish(st: _Receive, entries, offer):
+    with torch.cuda.device(st.gpu), torch.cuda.stream(st.stream):
+        for m, b in zip(st.messages, st.bufs):
+            if len(m) == 1 and not st.staged:
                 continue
             at = 0  # scatter a batch (or a staged message) into its tensors, on the caller's stream
             for i in m:
                 # into host memory: a blocking copy, so the tensors are whole when returned
-                flats[i].copy_(b[at:at + entries[i].nbytes], non_blocking=flats[i].is_cuda)
+                st.flats[i].copy_(b[at:at + entries[i].nbytes], non_blocking=st.flats[i].is_cuda)
                 at += entries[i].nbytes
         if offer.digests is not None:
             for i, e in enumerate(entries):
-                if e.nbytes and cuda_ipc.digest(flats[i]) != offer.digests[i]:
+                if e.nbytes and cuda_ipc.digest(st.flats[i]) != offer.digests[i]:
                     raise ChecksumError(f"tensor {e.name!r}: CUDA route digest mismatch")
     total = sum(e.nbytes for e in entries)
-    path = "ucx_cuda" if not staged else "ucx_cuda_staged"
-    return outputs, TransferStats(raw_bytes=total, wire_bytes=total, chunks=len(messages), path=path)
+    path = "ucx_cuda" if not st.staged else "ucx_cuda_staged"
+    return st.outputs, TransferStats(raw_bytes=total, wire_bytes=total, chunks=len(st.messages), path=path,
+                                     preposted=bool(st.futs))
+
+
+class PrePost:
+    """The receives of the next transfer, posted before its header arrives.
+
+    On an endpoint whose peer sends eagerly (this side granted a standing go-ahead), a
+    caller receiving `into` tensors with the layout of the last route transfer most likely
+    gets that layout again (weights into the same buffers, activations of a fixed shape).
+    Their receives are posted at once, on the tag that transfer will carry if it has this
+    layout and the next transfer id, so UCX starts the copy as soon as the payload arrives
+    instead of after this side has parsed the header, the manifest and the offer (that
+    chain was the critical path: docs/gpu_p2p.md). Any other transfer carries another tag
+    and never touches them; they are then abandoned, and stay posted in UCX (which cannot
+    take a receive back) until the endpoint closes."""
+
+    def __init__(self, channel, entries, into, tag: int, stream, deadline_s: float):
+        self.into, self.tag = into, tag
+        self._adopted = False
+        self._task = asyncio.ensure_future(self._post(channel, entries, into, stream, deadline_s))
+
+    async def _post(self, channel, entries, into, stream, deadline_s) -> _Receive:
+        state = _prepare(entries, _one_gpu(entries, into, None), into=into, stream=stream, device=None)
+        await cuda_ipc.wait_event(state.ready, deadline_s, "CUDA route: earlier work on the destination")
+        state.futs = channel.post_recvs(state.bufs, self.tag)
+        return state
+
+    @classmethod
+    def start(cls, channel, route: Route | None, into, stream, deadline_s: float) -> "PrePost | None":
+        """A PrePost if this receive is likely the repeat of the last route transfer, else None."""
+        if route is None or not route.granted or route.last_manifest is None or route.last_id is None or not into:
+            return None
+        tensors = list(into.items())
+        if not all(t.is_cuda and t.is_contiguous() for _, t in tensors):
+            return None
+        entries = [proto.TensorEntry(n, str(t.dtype).removeprefix("torch."), tuple(t.shape),
+                                     t.numel() * t.element_size()) for n, t in tensors]
+        manifest = proto.encode_manifest(entries)
+        if manifest != route.last_manifest or _one_gpu(entries, into, None) is None:
+            return None
+        return cls(channel, entries, into, proto.payload_tag(route.last_id + 1, manifest), stream, deadline_s)
+
+    async def adopt(self) -> _Receive:
+        self._adopted = True
+        return await self._task
+
+    def abandon(self) -> None:
+        """Unless adopted: stop posting; receives already posted stay in UCX, unmatched."""
+        if self._adopted:
+            return
+        self._task.cancel()
+        if self._task.done() and not self._task.cancelled() and self._task.exception() is None:
+            cancel_quietly(self._task.result().futs)
+        cancel_quietly([self._task])
