@@ -136,8 +136,10 @@ def run_sender(host: str, port: int, repeats: int, decode_steps: int) -> None:
                 for mode in MODES:
                     n = 1 if ph == "prefill" else decode_steps
                     secs, comp, wire, raw, chunks = [], 0, 0, 0, 0
+                    reasons = set()
                     for _ in range(n):
                         s, st = await transfer(mode, t)
+                        reasons.update(d.reason for d in st.decisions)
                         secs.append(s)
                         comp += st.chunks_compressed
                         chunks += st.chunks
@@ -145,7 +147,8 @@ def run_sender(host: str, port: int, repeats: int, decode_steps: int) -> None:
                         raw += st.raw_bytes
                     runs.append({"batch": b, "phase": ph, "mode": mode, "rep": rep,
                                  "seconds": statistics.median(secs), "raw_bytes": raw // n, "wire_bytes": wire // n,
-                                 "chunks": chunks // n, "chunks_compressed": comp / n})
+                                 "chunks": chunks // n, "chunks_compressed": comp / n,
+                                 "reasons": sorted(reasons)})
         await order.send_bytes(b"-1")
         # What each endpoint's policy measured: the link (wire bytes/s) and this side's codec.
         est = {m: {"link_gbps": (ep.policy.link.value or 0) / 1e9,
@@ -171,7 +174,8 @@ def summarize(runs: list[dict], decode_steps: int) -> tuple[list[dict], list[dic
                              "seconds_all": [r["seconds"] for r in rs], "raw_bytes": rs[0]["raw_bytes"],
                              "wire_bytes": statistics.median(r["wire_bytes"] for r in rs),
                              "chunks": rs[0]["chunks"],
-                             "chunks_compressed": statistics.median(r["chunks_compressed"] for r in rs)})
+                             "chunks_compressed": statistics.median(r["chunks_compressed"] for r in rs),
+                             "reasons": sorted({x for r in rs for x in r.get("reasons", ())})})
     for r in rows:
         raw = next(x for x in rows if x["batch"] == r["batch"] and x["phase"] == r["phase"] and x["mode"] == "raw")
         r["vs_raw"] = r["seconds"] / raw["seconds"]

@@ -256,6 +256,27 @@ def test_adaptive_policy_learns_from_whole_transfers():
     assert not decide(step, 2).compress
 
 
+def test_adaptive_policy_outcomes_forget_a_cold_start():
+    """Raw transfers measured while the link was cold (2x slow) must not keep compression on
+    for good: the losing path is re-measured early, and the median of recent outcomes decides."""
+    p = AdaptivePolicy("auto")
+    p.observe_link(8 << 20, (8 << 20) / 0.125e9)
+    step = 1_262_080
+
+    def decide():
+        return p.decide(1 << 20, 0.69, chunks_in_transfer=2, transfer_bytes=step)
+
+    p.observe_transfer(step, 0.026, compressed=False)  # cold
+    p.observe_transfer(step, 0.0145, compressed=True)
+    paths = []
+    for _ in range(12):
+        d = decide()
+        paths.append(d.compress)
+        p.observe_transfer(step, 0.0145 if d.compress else 0.0129, compressed=d.compress)
+    assert paths[0] and not all(paths), paths  # compression first, raw re-measured early
+    assert not any(paths[-4:]), paths  # then raw, which is faster, for good
+
+
 def test_cut_through_relay_forwards_every_chunk_unchanged():
     tensors = mixed_tensors(40, seed=9)
     config = TransportConfig(chunk_bytes=1 << 20, compression="on")
@@ -362,7 +383,12 @@ def test_gpu_route_policy_is_not_fooled_by_fixed_costs():
     assert not ipc_send.wants_chunks(fast, Codec(), 256 << 20, cfg)  # the prior: NVLink-class
     fast.observe_link(256 << 20, 1.5e-3)
     assert not ipc_send.wants_chunks(fast, Codec(), 256 << 20, cfg)
+    fast.observe_link(256 << 20, 10e-3)  # a fresh buffer's first transfer pays its IPC mapping
+    assert not ipc_send.wants_chunks(fast, Codec(), 1 << 30, cfg)
     slow = AdaptivePolicy.for_cuda_ipc("auto")
-    slow.observe_link(256 << 20, 256 / 1024 / 12)  # 12 GB/s: staged through host memory
-    assert ipc_send.wants_chunks(slow, Codec(), 256 << 20, cfg)
+    for _ in range(2):
+        slow.observe_link(256 << 20, 256 / 1024 / 12)  # 12 GB/s: staged through host memory
+        assert not ipc_send.wants_chunks(slow, Codec(), 256 << 20, cfg)  # could be fresh buffers
+    slow.observe_link(256 << 20, 256 / 1024 / 12)
+    assert ipc_send.wants_chunks(slow, Codec(), 256 << 20, cfg)  # three slow transfers: a slow path
     assert not ipc_send.wants_chunks(slow, None, 256 << 20, cfg)  # no GPU codec, nothing to compress with

@@ -17,6 +17,7 @@ a class has an outcome, that outcome replaces the model's guess for its path.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import time
@@ -85,13 +86,24 @@ class AdaptivePolicy:
     # Below this a chunk goes raw: headers and the probe would cost more than they save.
     MIN_BYTES = 64 << 10
     # Once both paths have outcomes for a size class, every this-many-th transfer of it takes
-    # the losing path, to re-measure it.
+    # the losing path, to re-measure it; every RECHECK_EARLY-th while the loser has fewer than
+    # OUTCOME_MIN outcomes (a first sample taken while the link was cold can be 2x slow).
     RECHECK_EVERY = 16
+    RECHECK_EARLY = 4
+    PEAK_SAMPLES = 3
+    OUTCOME_MIN = 3
+    # Outcomes kept per size class and path; their median decides.
+    OUTCOME_WINDOW = 9
 
     def __init__(self, mode: str = "auto", *, prior_link_gbps: float | None = None,
                  prior_compress_gbps: float | None = None, prior_decompress_gbps: float | None = None):
         self.mode = mode
         self.link = Ewma(value=prior_link_gbps and prior_link_gbps * 1e9)  # wire bytes per second
+        # The GPU routes' link is a copy within one host: its capacity does not vary, only the
+        # fixed costs around it do, so the fastest transfer measured is the estimate, and it
+        # counts as slow only once PEAK_SAMPLES transfers all were.
+        self.link_is_peak = False
+        self.link_samples = 0
         # Whether self.link holds an end-to-end measurement (observe_link) rather than only
         # chunk send completions (observe_chunk_send).
         self.link_measured = False
@@ -100,9 +112,9 @@ class AdaptivePolicy:
         # When the last send on this link completed: a pipelined send queued behind it
         # started using the wire only then.
         self.link_free_at = 0.0
-        # Seconds per raw byte of whole transfers, per size class: {class: {compressed: Ewma}},
-        # and how many transfers of each class were observed.
-        self.outcomes: dict[int, dict[bool, Ewma]] = {}
+        # Seconds per raw byte of the last whole transfers, per size class and path:
+        # {class: {compressed: deque}}, and how many transfers of each class were observed.
+        self.outcomes: dict[int, dict[bool, collections.deque]] = {}
         self.observed: dict[int, int] = {}
         # Priors stand in for measurements not made yet (a path's expected link, the codec it uses).
         if prior_compress_gbps:
@@ -121,7 +133,11 @@ class AdaptivePolicy:
         prior one slow first transfer sent `auto` into the chunked mode at 37 GB/s (0.2x raw).
         Compression is considered only on a path measured slower than ~36 GB/s (GPUs without
         peer access, staged through host memory)."""
-        return cls(mode, prior_link_gbps=400.0, prior_compress_gbps=40.0, prior_decompress_gbps=40.0)
+        policy = cls(mode, prior_link_gbps=400.0, prior_compress_gbps=40.0, prior_decompress_gbps=40.0)
+        # The first transfer from or into a new buffer also pays its IPC mapping: one such
+        # 256 MiB transfer measured as a slow "link" sent the next 1 GiB through the codec.
+        policy.link_is_peak = True
+        return policy
 
     def observe_link(self, wire_bytes: int, seconds: float, *, lower_bound: bool = False) -> None:
         """An end-to-end measurement: bytes until the receiver acknowledged them.
@@ -136,8 +152,12 @@ class AdaptivePolicy:
                 self.link.add(speed)
             return
         if not self.link_measured:
-            self.link, self.link_measured = Ewma(), True  # drop the chunk-send estimates
-        self.link.add(speed)
+            self.link, self.link_measured = Ewma(), True  # drop the chunk-send estimates (and the prior)
+        self.link_samples += 1
+        if self.link_is_peak:
+            self.link.value = max(self.link.value or 0.0, speed)
+        else:
+            self.link.add(speed)
 
     def observe_chunk_send(self, wire_bytes: int, seconds: float) -> None:
         """A chunk's send completing: it completes once the bytes sit in the socket buffers, so
@@ -163,25 +183,30 @@ class AdaptivePolicy:
         """A whole transfer, every chunk of it compressed (or every chunk raw), start to ack."""
         if raw_bytes >= self.MIN_BYTES and seconds > 0:
             k = self.size_class(raw_bytes)
-            self.outcomes.setdefault(k, {}).setdefault(compressed, Ewma()).add(seconds / raw_bytes)
+            window = self.outcomes.setdefault(k, {}).setdefault(compressed, collections.deque(maxlen=self.OUTCOME_WINDOW))
+            window.append(seconds / raw_bytes)
             self.observed[k] = self.observed.get(k, 0) + 1
 
     def _outcomes(self, transfer_bytes: int | None) -> tuple[float | None, float | None]:
         """Seconds per raw byte that transfers of this size class took (compressed, raw)."""
         by_mode = self.outcomes.get(self.size_class(transfer_bytes), {}) if transfer_bytes else {}
-        zip_seen, raw_seen = by_mode.get(True), by_mode.get(False)
-        return zip_seen and zip_seen.value, raw_seen and raw_seen.value
+        return _median(by_mode.get(True)), _median(by_mode.get(False))
 
     def _measured(self, transfer_bytes: int | None, zip_seen: float | None,
                   raw_seen: float | None) -> tuple[bool, str] | None:
         """(compress?, why) from whole transfers of this size class when both paths have
-        outcomes (the faster one, no margin: these are measurements, not a model; every
-        RECHECK_EVERY-th transfer the other one, to re-measure it); None otherwise."""
+        outcomes (compression if its median beats raw's by MARGIN; every RECHECK_EVERY-th
+        transfer the other one, to re-measure it); None otherwise."""
         if zip_seen is None or raw_seen is None:
             return None
-        compress = zip_seen < raw_seen
+        # The model's margin here too: near a tie (noisy outcomes, 0.8-1.3x from one transfer
+        # to the next on shared cores) raw is the one that cannot lose.
+        compress = zip_seen < (1 - self.MARGIN) * raw_seen
         why = f"measured: {zip_seen / raw_seen:.2f}x raw compressed for transfers of this size"
-        if self.observed.get(self.size_class(transfer_bytes), 0) % self.RECHECK_EVERY == 0:
+        k = self.size_class(transfer_bytes)
+        losing = len(self.outcomes[k][not compress])
+        every = self.RECHECK_EARLY if losing < self.OUTCOME_MIN else self.RECHECK_EVERY
+        if self.observed.get(k, 0) % every == 0:
             return not compress, why + "; re-measuring the other path"
         return compress, why
 
@@ -196,7 +221,7 @@ class AdaptivePolicy:
         if measured is not None and not measured[0]:
             return False
         link = self.link.value
-        if link is None:
+        if link is None or (self.link_is_peak and self.link_samples < self.PEAK_SAMPLES):
             return False
         c = self.compress_speed.value or self.PRIOR_COMPRESS_GBPS * 1e9
         d = self.decompress_speed.value or self.PRIOR_DECOMPRESS_GBPS * 1e9
@@ -247,6 +272,13 @@ class AdaptivePolicy:
         elif raw_seen is not None:
             src, t_raw = "measured raw", nbytes * raw_seen
         return make(t_zip < (1 - self.MARGIN) * t_raw, f"{src}: {t_zip * 1e3:.1f} ms compressed vs {t_raw * 1e3:.1f} ms raw")
+
+
+def _median(xs) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
 
 
 class Stopwatch:
