@@ -230,11 +230,9 @@ class AdaptivePolicy:
         if key not in self.trials and abs(t_compressed / t_native - 1) > band and abs(uncorrected - 1) > band:
             return model  # far from the break-even: the model is right often enough
         trial = self.trials.setdefault(key, Trial())
-        if trial.factors is not None:
-            keep = 1 - self.config.margin
+        if trial.factors is not None:  # the measured factors replace the global corrections
             fc, fn = trial.factors["compressed"], trial.factors["native"]
-            return "compressed" if t_compressed / self.m.correct_compressed * fc < \
-                keep * t_native / self.m.correct_native * fn else "native"
+            return "compressed" if uncorrected * fc < (1 - self.config.margin) * fn else "native"
         if trial.calls < 2 * self.config.explore_calls:
             trial.calls += 1
             return self.PATHS[(trial.calls - 1) % 2]  # compressed first, then alternating

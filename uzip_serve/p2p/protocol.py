@@ -414,7 +414,7 @@ class IpcOffer:
 # One message after the manifest: the fixed head, then one u64 digest per manifest entry
 # (zeros unless the checksum flag is set), so its size follows from the manifest. On ACK_OK
 # (or at once, eagerly) the payload is UCX messages in the order of plan_cuda_messages, on
-# the tag payload_tag(seq, manifest), then the final ACK on the endpoint's own tag.
+# the tag payload_tag(transfer id, manifest), then the final ACK on the endpoint's own tag.
 
 CUDA_ROUTE_MAGIC = b"UZC1"
 CUDA_ROUTE_HAS_CHECKSUMS = 1
@@ -462,13 +462,13 @@ class CudaRouteOffer:
         return cls(host_id, digests)
 
 
-def payload_tag(seq: int, manifest: bytes) -> int:
-    """The UCX tag of a CUDA route payload: the transfer's sequence number on its endpoint
-    (both sides count every transfer header) and the manifest's bytes. A receiver that
-    expects a layout posts its receives on this tag before the header arrives; they match
-    only the transfer they were meant for, never a later one or another layout. An int:
-    ucxx hashes user tags with hash(), which is salted per process for bytes, not for ints."""
-    digest = hashlib.blake2b(seq.to_bytes(8, "little") + bytes(manifest), digest_size=8).digest()
+def payload_tag(transfer_id: int, manifest: bytes) -> int:
+    """The UCX tag of a CUDA route payload: the transfer header's id (per endpoint and
+    direction, only growing) and the manifest's bytes. A receiver that expects a layout
+    posts its receives on this tag before the header arrives; they match only the transfer
+    they were meant for, never a later one or another layout. An int: ucxx hashes user
+    tags with hash(), which is salted per process for bytes, not for ints."""
+    digest = hashlib.blake2b(transfer_id.to_bytes(8, "little") + bytes(manifest), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1  # < 2^63: hash() of it is the value itself
 
 
