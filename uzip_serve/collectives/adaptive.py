@@ -34,6 +34,7 @@ import dataclasses
 import logging
 import math
 import os
+import statistics
 
 logger = logging.getLogger(__name__)
 
@@ -144,6 +145,9 @@ class Measurements:
     correct_native: float = 1.0
 
 
+PATHS = ("compressed", "native")
+
+
 @dataclasses.dataclass
 class Trial:
     """One size class near the break-even, tried both ways. `local`: this rank's
@@ -151,7 +155,7 @@ class Trial:
     `factors`: the agreed (maximum over ranks) medians, once every rank has them."""
 
     calls: int = 0
-    local: dict[str, list[float]] = dataclasses.field(default_factory=lambda: {"compressed": [], "native": []})
+    local: dict[str, list[float]] = dataclasses.field(default_factory=lambda: {p: [] for p in PATHS})
     factors: dict[str, float] | None = None
 
 
@@ -160,7 +164,6 @@ class AdaptivePolicy:
     on (message size, dtype, call count, agreed measurements): the same on every rank."""
 
     MIN_THRESHOLD = 4 << 10
-    PATHS = ("compressed", "native")
     CORRECT_WINDOW = 64
 
     def __init__(self, config: RingConfig, world: int, sub_bytes_of):
@@ -172,8 +175,7 @@ class AdaptivePolicy:
         # Local (not yet agreed) observations of actual/predicted time: the last CORRECT_WINDOW
         # per path. Their median, not a mean: a call here takes 1x or 4x its usual time at
         # random (scheduling on shared cores), and a mean would chase the slow mode.
-        self._observed = {"compressed": collections.deque(maxlen=self.CORRECT_WINDOW),
-                          "native": collections.deque(maxlen=self.CORRECT_WINDOW)}
+        self._observed = {p: collections.deque(maxlen=self.CORRECT_WINDOW) for p in PATHS}
         self.local_ratio: dict[str, float] = {}
         self.trials: dict[tuple[str, int], Trial] = {}
 
@@ -235,21 +237,21 @@ class AdaptivePolicy:
             return "compressed" if uncorrected * fc < (1 - self.config.margin) * fn else "native"
         if trial.calls < 2 * self.config.explore_calls:
             trial.calls += 1
-            return self.PATHS[(trial.calls - 1) % 2]  # compressed first, then alternating
+            return PATHS[(trial.calls - 1) % 2]  # compressed first, then alternating
         return "agree"
 
     def trial_report(self, nbytes: int, dtype_name: str) -> list[float]:
         """This rank's medians (measured / modelled) for the size class, compressed then native."""
         trial = self.trials[_trial_key(nbytes, dtype_name)]
-        return [_median(trial.local[p]) for p in self.PATHS]
+        return [statistics.median_high(trial.local[p]) if trial.local[p] else 1.0 for p in PATHS]
 
     def settle(self, nbytes: int, dtype_name: str, agreed: list[float]) -> None:
-        self.trials[_trial_key(nbytes, dtype_name)].factors = dict(zip(self.PATHS, agreed))
+        self.trials[_trial_key(nbytes, dtype_name)].factors = dict(zip(PATHS, agreed))
 
     def describe(self, dtype_name: str) -> str:
         m = self.m
         t = self.threshold(dtype_name)
-        where = "never (the codec is slower than the link)" if math.isinf(t) else f"from {_human(t)} up"
+        where = "never (the codec is slower than the link)" if math.isinf(t) else f"from {human_bytes(t)} up"
         return (f"link {m.link_Bps / 1e9:.3f} GB/s, native latency {m.native_latency_s * 1e6:.0f} us, codec "
                 f"{m.compress_Bps / 1e9:.2f}/{m.decompress_Bps / 1e9:.2f} GB/s (compress/decompress+reduce), "
                 f"hop overhead {m.hop_latency_s * 1e6:.0f} us, {dtype_name} ratio "
@@ -277,7 +279,7 @@ class AdaptivePolicy:
     def local_correction(self, path: str) -> float | None:
         """This rank's measured / modelled time of `path` (median of recent calls), or None."""
         xs = self._observed[path]
-        return _median(list(xs)) if xs else None
+        return statistics.median_high(xs) if xs else None
 
     def set_measurements(self, m: Measurements) -> None:
         self.m = m
@@ -288,12 +290,7 @@ def _trial_key(nbytes: int, dtype_name: str) -> tuple[str, int]:
     return dtype_name, max(nbytes, 1).bit_length()  # size classes [2^k, 2^(k+1))
 
 
-def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    return xs[len(xs) // 2] if xs else 1.0
-
-
-def _human(nbytes: float) -> str:
+def human_bytes(nbytes: float) -> str:
     for unit, k in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
         if nbytes >= 1 << k:
             return f"{nbytes / (1 << k):.1f} {unit}"

@@ -11,7 +11,7 @@ import math
 import time
 from typing import TYPE_CHECKING, Callable
 
-from uzip_serve.collectives.adaptive import AdaptivePolicy, Measurements, RingConfig
+from uzip_serve.collectives.adaptive import AdaptivePolicy, Measurements, RingConfig, human_bytes
 from uzip_serve.collectives.base import SUM_DTYPE_NAMES, CollectiveError, CollectiveStats, Communicator
 from uzip_serve.collectives.ring import HopCodec, RingEngine, Transport
 
@@ -25,10 +25,6 @@ logger = logging.getLogger("uzip_serve.collectives")
 CALIBRATION_BYTES = 8 << 20
 SAMPLE_BYTES = 2 << 20  # the caller's data coded to measure the codec and the ratio
 RATIO_PROBE_BYTES = 512 << 10
-
-
-def _size(nbytes: int) -> str:
-    return f"{nbytes / (1 << 20):.2f} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
 
 
 def _dtype_name(dtype) -> str:
@@ -201,7 +197,7 @@ class RingCommunicator(Communicator):
             self.policy.settle(nbytes, dname, agreed)
             path = self.policy.choose(nbytes, dname)
             logger.info("uzip all-reduce (%s): %s %s near the break-even measured %.2f / %.2f of the model "
-                        "(compressed / native) -> %s", type(self).__name__, _size(nbytes), dname, *agreed, path)
+                        "(compressed / native) -> %s", type(self).__name__, human_bytes(nbytes), dname, *agreed, path)
         return "compressed" if path == "compressed" else fallback
 
     def _ensure_measured(self, x: "torch.Tensor", dname: str) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import statistics
 import time
 
 logger = logging.getLogger(__name__)
@@ -85,12 +86,13 @@ class AdaptivePolicy:
     MARGIN = 0.10
     # Below this a chunk goes raw: headers and the probe would cost more than they save.
     MIN_BYTES = 64 << 10
+    # A link_is_peak policy takes its link as slow only after this many slow transfers.
+    PEAK_SAMPLES = 3
     # Once both paths have outcomes for a size class, every this-many-th transfer of it takes
     # the losing path, to re-measure it; every RECHECK_EARLY-th while the loser has fewer than
     # OUTCOME_MIN outcomes (a first sample taken while the link was cold can be 2x slow).
     RECHECK_EVERY = 16
     RECHECK_EARLY = 4
-    PEAK_SAMPLES = 3
     OUTCOME_MIN = 3
     # Outcomes kept per size class and path; their median decides.
     OUTCOME_WINDOW = 9
@@ -190,7 +192,9 @@ class AdaptivePolicy:
     def _outcomes(self, transfer_bytes: int | None) -> tuple[float | None, float | None]:
         """Seconds per raw byte that transfers of this size class took (compressed, raw)."""
         by_mode = self.outcomes.get(self.size_class(transfer_bytes), {}) if transfer_bytes else {}
-        return _median(by_mode.get(True)), _median(by_mode.get(False))
+        zip_seen, raw_seen = by_mode.get(True), by_mode.get(False)
+        return (statistics.median_high(zip_seen) if zip_seen else None,
+                statistics.median_high(raw_seen) if raw_seen else None)
 
     def _measured(self, transfer_bytes: int | None, zip_seen: float | None,
                   raw_seen: float | None) -> tuple[bool, str] | None:
@@ -272,13 +276,6 @@ class AdaptivePolicy:
         elif raw_seen is not None:
             src, t_raw = "measured raw", nbytes * raw_seen
         return make(t_zip < (1 - self.MARGIN) * t_raw, f"{src}: {t_zip * 1e3:.1f} ms compressed vs {t_raw * 1e3:.1f} ms raw")
-
-
-def _median(xs) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return xs[len(xs) // 2]
 
 
 class Stopwatch:

@@ -67,6 +67,12 @@ def as_tensor(value: Any) -> torch.Tensor:
     raise TypeError(f"cannot send a {type(value).__name__}; expected a torch tensor, numpy or CuPy array")
 
 
+def entries_of(items) -> list[proto.TensorEntry]:
+    """The manifest entries of (name, tensor) pairs."""
+    return [proto.TensorEntry(n, str(t.dtype).removeprefix("torch."), tuple(t.shape), t.numel() * t.element_size())
+            for n, t in items]
+
+
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
     """The tensor's bytes as a flat uint8 tensor sharing its memory (bf16 included)."""
     return t.reshape(-1).view(torch.uint8)
@@ -161,8 +167,7 @@ async def send_tensors(channel: Channel, tensors, *, config: TransportConfig, po
     """
     loop = asyncio.get_running_loop()
     items = named_items(tensors)
-    entries = [proto.TensorEntry(n, str(t.dtype).removeprefix("torch."), tuple(t.shape), t.numel() * t.element_size())
-               for n, t in items]
+    entries = entries_of(items)
     num_chunks = proto.count_chunks(entries, config.chunk_bytes)
     chunks: list[proto.Chunk] = []  # planned only if the chunk stream carries the transfer
     flats = [_flat_bytes(t) for _, t in items]

@@ -43,7 +43,7 @@ from uzip_serve.p2p.adaptive import AdaptivePolicy, Decision, TransferStats
 from uzip_serve.p2p.errors import ChecksumError, ProtocolError
 from uzip_serve.p2p.ipc_send import MIN_LINK_SAMPLE, _raise_for, _stream_for
 from uzip_serve.p2p.loop import cancel_quietly
-from uzip_serve.p2p.split_send import _flat_bytes
+from uzip_serve.p2p.split_send import _flat_bytes, entries_of
 
 logger = logging.getLogger(__name__)
 
@@ -230,7 +230,7 @@ async def recv(channel: BulkChannel, entries, *, config, route: Route | None, re
         # the memory the allocator just handed out) must be done first.
         await cuda_ipc.wait_event(state.ready, config.deadline_s, "CUDA route: earlier work on the destination")
         await channel.recv_many(state.bufs, tag)
-    return _finish(state, entries, offer)
+    return _finish(state, offer)
 
 
 class _Receive:
@@ -263,7 +263,8 @@ def _prepare(entries, dest, *, into, stream, device) -> _Receive:
     return _Receive(entries, outputs, flats, bufs, messages, staged, gpu, stream, ready)
 
 
-def _finish(st: _Receive, entries, offer):
+def _finish(st: _Receive, offer):
+    entries = st.entries
     with torch.cuda.device(st.gpu), torch.cuda.stream(st.stream):
         for m, b in zip(st.messages, st.bufs):
             if len(m) == 1 and not st.staged:
@@ -296,13 +297,13 @@ class PrePost:
     and never touches them; they are then abandoned, and stay posted in UCX (which cannot
     take a receive back) until the endpoint closes."""
 
-    def __init__(self, channel, entries, into, tag: int, stream, deadline_s: float):
+    def __init__(self, channel, entries, dest, into, tag: int, stream, deadline_s: float):
         self.into, self.tag = into, tag
         self._adopted = False
-        self._task = asyncio.ensure_future(self._post(channel, entries, into, stream, deadline_s))
+        self._task = asyncio.ensure_future(self._post(channel, entries, dest, into, stream, deadline_s))
 
-    async def _post(self, channel, entries, into, stream, deadline_s) -> _Receive:
-        state = _prepare(entries, _one_gpu(entries, into, None), into=into, stream=stream, device=None)
+    async def _post(self, channel, entries, dest, into, stream, deadline_s) -> _Receive:
+        state = _prepare(entries, dest, into=into, stream=stream, device=None)
         await cuda_ipc.wait_event(state.ready, deadline_s, "CUDA route: earlier work on the destination")
         state.futs = channel.post_recvs(state.bufs, self.tag)
         return state
@@ -310,17 +311,17 @@ class PrePost:
     @classmethod
     def start(cls, channel, route: Route | None, into, stream, deadline_s: float) -> "PrePost | None":
         """A PrePost if this receive is likely the repeat of the last route transfer, else None."""
-        if route is None or not route.granted or route.last_manifest is None or route.last_id is None or not into:
+        # (last_manifest is set only together with last_id, by Route.note_header)
+        if route is None or not route.granted or route.last_manifest is None or not into:
             return None
-        tensors = list(into.items())
-        if not all(t.is_cuda and t.is_contiguous() for _, t in tensors):
+        if not all(t.is_cuda and t.is_contiguous() for t in into.values()):
             return None
-        entries = [proto.TensorEntry(n, str(t.dtype).removeprefix("torch."), tuple(t.shape),
-                                     t.numel() * t.element_size()) for n, t in tensors]
+        entries = entries_of(into.items())
         manifest = proto.encode_manifest(entries)
-        if manifest != route.last_manifest or _one_gpu(entries, into, None) is None:
+        dest = _one_gpu(entries, into, None)
+        if manifest != route.last_manifest or dest is None:
             return None
-        return cls(channel, entries, into, proto.payload_tag(route.last_id + 1, manifest), stream, deadline_s)
+        return cls(channel, entries, dest, into, proto.payload_tag(route.last_id + 1, manifest), stream, deadline_s)
 
     async def adopt(self) -> _Receive:
         self._adopted = True
@@ -330,7 +331,6 @@ class PrePost:
         """Unless adopted: stop posting; receives already posted stay in UCX, unmatched."""
         if self._adopted:
             return
-        self._task.cancel()
         if self._task.done() and not self._task.cancelled() and self._task.exception() is None:
             cancel_quietly(self._task.result().futs)
         cancel_quietly([self._task])
