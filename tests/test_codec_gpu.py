@@ -23,6 +23,17 @@ ALL_DTYPES = [getattr(torch, d.name) for d in fmt.DTYPES_BY_CODE.values() if has
 SIZES = [0, 1, 7, 16, 255, 1000, 4096, 65535, 65536, 65537, 200_003]
 
 
+@pytest.fixture(autouse=True, params=["wide", "wide-pair", "fast"])
+def decoder(request, monkeypatch):
+    """Every test runs with every decoder build: "wide" takes single-symbol lookups for the
+    small frames here, "wide-pair" forces the pair build that large frames get, "fast" is
+    round 3's decoder; each must read exactly the frames the CPU reads."""
+    from uzip_serve.kernels import cuda as kc
+
+    monkeypatch.setattr(kc, "DECODER", request.param)
+    return request.param
+
+
 def bits(t):
     return t.detach().reshape(-1).contiguous().view(torch.uint8).cpu()
 

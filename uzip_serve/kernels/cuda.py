@@ -39,6 +39,34 @@ CRC_SMEM = CRC_SLICE * 256 * 32 * 4 + 4096 + STG_BYTES  # tables, the 32 KB-shif
 SMEM_STATS = CRC_SMEM + 128 * 32 * 4  # + per-lane histogram counters (two u16 per word)
 SMEM_WRITE = CRC_SMEM  # the per-warp sub-stream buffers share crc_par's staging
 SMEM_DEC = CRC_SMEM - STG_BYTES + SYM_BYTES  # the symbol buffer doubles as crc_par's staging
+# uz_dec_wide's dynamic shared memory: slicing-by-4 CRC tables (+ the 32 KB-shift table), then
+# per group of 128 threads (one codec block) 256 words of descriptor, the LUT and its scratch
+WIDE_TAB_WORDS = 4 * 256 * 32 + 1024
+WIDE_GROUP_WORDS = 256 + 2048 + (36 + 256 + 4 + 64)
+WIDE_MAX_GROUPS = 8  # 1024 threads, ~215 KB: one CUDA block per SM
+
+
+def wide_smem(groups: int) -> int:
+    return 4 * (WIDE_TAB_WORDS + groups * WIDE_GROUP_WORDS)
+
+
+# Which decoder: "wide" (uz_dec_wide: every thread decodes a sub-stream; the default) or "fast"
+# (uz_dec_fast, round 3's: one CUDA block of 512 threads per codec block, kept one round for
+# side-by-side benchmarks). uz_dec_wide comes in two builds: single-symbol lookups while the
+# frame fits in one wave (8 codec blocks per SM, ~132 MiB of bf16 on an H200), where each
+# thread's time is the frame's time, and pair lookups above it, where LUT loads bound
+# throughput ("wide-single" / "wide-pair" force one; docs/gpu.md, round 4).
+DECODER = os.environ.get("UZIP_GPU_DECODER", "wide")
+_SMS: dict = {}
+
+
+def _sm_count(dev) -> int:
+    n = _SMS.get(dev.index)
+    if n is None:
+        import torch
+
+        n = _SMS[dev.index] = torch.cuda.get_device_properties(dev).multi_processor_count
+    return n
 NO_ERROR = (1 << 64) - 1
 
 _ERRORS = {
@@ -144,14 +172,14 @@ _FUNCS: dict = {}
 
 def _function(index: int, name: str, smem: int = 0):
     """The kernel `name` on device `index`, looked up once per process (launch overhead),
-    allowed `smem` bytes of dynamic shared memory (over 48 KB needs the attribute)."""
+    allowed `smem` bytes of dynamic shared memory (dynamic + static over 48 KB needs the attribute)."""
     f = _FUNCS.get((index, name))
     if f is None:
         import cupy
 
         with cupy.cuda.Device(index):
             f = _module(index).get_function(name)
-            if smem > 48 * 1024:
+            if smem:  # over 48 KB with the static shared memory needs the attribute too
                 try:
                     f.max_dynamic_shared_size_bytes = smem
                 except AttributeError:  # older CuPy: the driver call itself
@@ -160,11 +188,11 @@ def _function(index: int, name: str, smem: int = 0):
     return f
 
 
-def _launch(tensor_device, name, grid, block, args, stream, smem: int = 0):
+def _launch(tensor_device, name, grid, block, args, stream, smem: int = 0, smem_max: int = 0):
     import cupy
 
     index = tensor_device.index or 0
-    f = _FUNCS.get((index, name)) or _function(index, name, smem)
+    f = _FUNCS.get((index, name)) or _function(index, name, smem_max or smem)
     if cupy.cuda.runtime.getDevice() == index:
         f((grid,), (block,), args, stream=stream, shared_mem=smem)
     else:
@@ -305,7 +333,18 @@ class CudaCodec:
         common = (_u64(fp), _u64(header.payload_offset), _u64(payload_len), _u64(header.table_offset),
                   _u64(op), _u64(header.numel), _u32(header.block_elems),
                   _u32(header.substream_elems), _u64(out.data_ptr()), _u64(ep))
-        _launch(dev, f"uz_dec_fast_{sfx}", nb, TPB, common + (_u64(lp), _u64(cp_)), st, SMEM_DEC)
+        # fp32 (4 planes) spills in uz_dec_wide; above 4 codec blocks per SM round 3's decoder
+        # was measured faster for it (docs/gpu.md, round 4)
+        if DECODER == "fast" or (DECODER == "wide" and nplanes > 2 and nb > 4 * _sm_count(dev)):
+            _launch(dev, f"uz_dec_fast_{sfx}", nb, TPB, common + (_u64(lp), _u64(cp_)), st, SMEM_DEC)
+        else:
+            # one wave when it fits: up to 8 codec blocks per CUDA block, one CUDA block per SM
+            sms = _sm_count(dev)
+            groups = max(1, min(WIDE_MAX_GROUPS, -(-nb // sms)))
+            pair = DECODER == "wide-pair" or (DECODER == "wide" and nb > WIDE_MAX_GROUPS * sms)
+            wide = common[:8] + (_u32(nb),) + common[8:]
+            _launch(dev, f"uz_dec_wide{'p' if pair else ''}_{sfx}", -(-nb // groups), 128 * groups,
+                    wide + (_u64(lp), _u64(cp_)), st, wide_smem(groups), wide_smem(WIDE_MAX_GROUPS))
         _launch(dev, f"uz_dec_slow_{sfx}", slots, TPB, common + (_u64(lp), _u64(cp_), _u64(sp), _u64(slot_bytes)), st,
                 CRC_SMEM)
         if stream is not None:

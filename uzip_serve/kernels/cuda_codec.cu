@@ -7,7 +7,7 @@
  *   crc32c / crc32c_combine             crc_par (table CRC per 32-byte slot + linear combine)
  *   split_planes / hist_of              plane_sym + uz_enc_stats (per-lane counters)
  *   build_lengths                       build_lengths_tail (same algorithm, rank sort)
- *   assign_codes                        assign_codes_par / build_lut_dev
+ *   assign_codes                        assign_codes_par / build_lut_group
  *   encode_stream                       warp-cooperative writer in uz_enc_write
  *   decode_plane / decode_stream_tail   HuffReader + uz_dec_fast / uz_dec_slow
  *   merge_planes                        merge16 (fast) / merge1 (slow)
@@ -135,9 +135,11 @@ extern __shared__ __align__(16) u32 dsm[];
 
 __device__ u32 SHIFT_TAB[NSHIFT * 1024]; /* see uz_init_tables */
 
-/* Fills the replicated tables: T0 = CRC_TAB, Tk[i] = (Tk-1[i] >> 8) ^ T0[Tk-1[i] & 0xFF]. */
+/* Fills the replicated tables: T0 = CRC_TAB, Tk[i] = (Tk-1[i] >> 8) ^ T0[Tk-1[i] & 0xFF].
+ * SL tables, then the 32 KB-shift table (crc_par). */
+template <int SL = CRC_SLICE>
 __device__ __forceinline__ void crc_init_smem(u32 *sm) {
-    for (u32 e = threadIdx.x; e < CRC_SLICE * 256; e += blockDim.x) {
+    for (u32 e = threadIdx.x; e < SL * 256; e += blockDim.x) {
         u32 v = CRC_TAB[e & 255u];
         for (u32 q = 0; q < (e >> 8); q++) v = (v >> 8) ^ CRC_TAB[v & 255u];
         uint4 *d = (uint4 *)(sm + e * 32);
@@ -145,31 +147,36 @@ __device__ __forceinline__ void crc_init_smem(u32 *sm) {
 #pragma unroll
         for (int r = 0; r < 8; r++) d[r] = vv;
     }
-    for (u32 e = threadIdx.x; e < 1024; e += blockDim.x) sm[CRC_SLICE * 256 * 32 + e] = SHIFT_TAB[15 * 1024 + e];
+    for (u32 e = threadIdx.x; e < 1024; e += blockDim.x) sm[SL * 256 * 32 + e] = SHIFT_TAB[15 * 1024 + e];
 }
 /* tab = smem tables + lane: this lane's copy */
 #define CRCT(tab, k, i) ((tab)[((k) * 256u + (i)) * 32u])
 __device__ __forceinline__ u32 crc_b(const u32 *tab, u32 c, u32 b) {
     return (c >> 8) ^ CRCT(tab, 0, (c ^ b) & 0xFFu);
 }
-/* c: raw register; feeds the 4 bytes of w, low byte first */
+/* c: raw register; feeds the 4 bytes of w, low byte first; SL tables (slicing-by-SL) */
+template <int SL = CRC_SLICE>
 __device__ __forceinline__ u32 crc_w(const u32 *tab, u32 c, u32 w) {
     c ^= w;
-#if CRC_SLICE == 4
-    return CRCT(tab, 3, c & 0xFFu) ^ CRCT(tab, 2, (c >> 8) & 0xFFu) ^ CRCT(tab, 1, (c >> 16) & 0xFFu) ^
-           CRCT(tab, 0, c >> 24);
-#elif CRC_SLICE == 2
-    c = CRCT(tab, 1, c & 0xFFu) ^ CRCT(tab, 0, (c >> 8) & 0xFFu) ^ (c >> 16);
-    return CRCT(tab, 1, c & 0xFFu) ^ CRCT(tab, 0, (c >> 8) & 0xFFu) ^ (c >> 16);
-#else
+    if constexpr (SL == 4) {
+        /* CRCT in byte offsets (entry i of table k at k * 32768 + i * 128): one shift and one
+         * mask per lookup, and the table's offset becomes the load's immediate */
+        const u8 *t = (const u8 *)tab;
+        return *(const u32 *)(t + 3 * 32768 + ((c << 7) & 0x7F80u)) ^ *(const u32 *)(t + 2 * 32768 + ((c >> 1) & 0x7F80u)) ^
+               *(const u32 *)(t + 32768 + ((c >> 9) & 0x7F80u)) ^ *(const u32 *)(t + ((c >> 17) & 0x7F80u));
+    } else if constexpr (SL == 2) {
+        c = CRCT(tab, 1, c & 0xFFu) ^ CRCT(tab, 0, (c >> 8) & 0xFFu) ^ (c >> 16);
+        return CRCT(tab, 1, c & 0xFFu) ^ CRCT(tab, 0, (c >> 8) & 0xFFu) ^ (c >> 16);
+    } else {
 #pragma unroll
-    for (int k = 0; k < 4; k++) c = (c >> 8) ^ CRCT(tab, 0, c & 0xFFu);
-    return c;
-#endif
+        for (int k = 0; k < 4; k++) c = (c >> 8) ^ CRCT(tab, 0, c & 0xFFu);
+        return c;
+    }
 }
+template <int SL = CRC_SLICE>
 __device__ __forceinline__ u32 crc_q(const u32 *tab, u32 c, uint4 v) {
-    c = crc_w(tab, c, v.x); c = crc_w(tab, c, v.y);
-    c = crc_w(tab, c, v.z); return crc_w(tab, c, v.w);
+    c = crc_w<SL>(tab, c, v.x); c = crc_w<SL>(tab, c, v.y);
+    c = crc_w<SL>(tab, c, v.z); return crc_w<SL>(tab, c, v.w);
 }
 /* multmodp of cpu_codec.c: a * b mod P, reflected (x^0 = bit 31) */
 __device__ u32 multmodp(u32 a, u32 b) {
@@ -228,7 +235,7 @@ __device__ __forceinline__ u32 crc_shift_32k(const u32 *t, u32 c) {
 /* Continues registers c[0..K) over K byte ranges of equal length len starting at q + k * stride
  * (any alignment, all with the same alignment); the K chains are independent, interleaved
  * so their table-lookup latencies overlap. Reads exactly the bytes of the ranges. */
-template <int K>
+template <int K, int SL = CRC_SLICE>
 __device__ __forceinline__ void crc_run(const u32 *tab, u32 *c, const u8 *q, u64 stride, u32 len) {
     u32 o = 0;
     for (; o < len && (((size_t)q + o) & 3); o++)
@@ -236,7 +243,7 @@ __device__ __forceinline__ void crc_run(const u32 *tab, u32 *c, const u8 *q, u64
         for (int k = 0; k < K; k++) c[k] = crc_b(tab, c[k], q[k * stride + o]);
     for (; o + 4 <= len && (((size_t)q + o) & 15); o += 4)
 #pragma unroll
-        for (int k = 0; k < K; k++) c[k] = crc_w(tab, c[k], *(const u32 *)(q + k * stride + o));
+        for (int k = 0; k < K; k++) c[k] = crc_w<SL>(tab, c[k], *(const u32 *)(q + k * stride + o));
     for (; o + 32 <= len; o += 32) {
         uint4 v[K][2];
 #pragma unroll
@@ -247,11 +254,11 @@ __device__ __forceinline__ void crc_run(const u32 *tab, u32 *c, const u8 *q, u64
 #pragma unroll
         for (int h = 0; h < 2; h++)
 #pragma unroll
-            for (int k = 0; k < K; k++) c[k] = crc_q(tab, c[k], v[k][h]);
+            for (int k = 0; k < K; k++) c[k] = crc_q<SL>(tab, c[k], v[k][h]);
     }
     for (; o + 4 <= len; o += 4)
 #pragma unroll
-        for (int k = 0; k < K; k++) c[k] = crc_w(tab, c[k], *(const u32 *)(q + k * stride + o));
+        for (int k = 0; k < K; k++) c[k] = crc_w<SL>(tab, c[k], *(const u32 *)(q + k * stride + o));
     for (; o < len; o++)
 #pragma unroll
         for (int k = 0; k < K; k++) c[k] = crc_b(tab, c[k], q[k * stride + o]);
@@ -423,12 +430,13 @@ template <int LAYOUT, int ISZ> __device__ __forceinline__ u32 plane_sym(u32 x, i
 /* 16 elements from P planes of 16 bytes each -> 4*ISZ output words */
 template <int LAYOUT, int ISZ> __device__ __forceinline__ void merge16(const u32 (*pw)[4], u32 *o) {
     if (LAYOUT == LAYOUT_BF16) {
+        /* two elements per word: spread their plane bytes to the 16-bit halves (one byte
+         * permute per plane), then shift and mask both halves at once */
 #pragma unroll
         for (int e = 0; e < 16; e += 2) {
-            u32 E0 = bytew(pw[0], e), R0 = bytew(pw[1], e), E1 = bytew(pw[0], e + 1), R1 = bytew(pw[1], e + 1);
-            u32 x0 = ((R0 & 0x80u) << 8) | (E0 << 7) | (R0 & 0x7Fu);
-            u32 x1 = ((R1 & 0x80u) << 8) | (E1 << 7) | (R1 & 0x7Fu);
-            o[e / 2] = x0 | (x1 << 16);
+            const u32 sel = (e & 2) ? 0x4342u : 0x4140u; /* bytes e, e+1 of the word -> bytes 0, 2 */
+            const u32 E = __byte_perm(pw[0][e >> 2], 0u, sel), R = __byte_perm(pw[1][e >> 2], 0u, sel);
+            o[e / 2] = ((R << 8) & 0x80008000u) | (E << 7) | (R & 0x007F007Fu);
         }
     } else if (LAYOUT == LAYOUT_FP32) {
 #pragma unroll
@@ -466,13 +474,17 @@ template <int LAYOUT, int ISZ> __device__ __forceinline__ void merge1(const u32 
 
 /* ---- Huffman decoding ---- */
 /* LUT entry (u32), indexed by the next 11 bits of the stream (LSB first):
- *   bits 0-7 first symbol, 8-15 second symbol (0 when there is none), 16-19 first code's
- *   length, 20-24 bits consumed by the pair (= first length when there is no second code),
- *   25: a second code fits in the 11 bits, 31: no code starts here (length reads as 1).
- * The 2-symbol entries halve the serial lookup chain, as the CPU decoder's do. */
-#define LUT_LEN1(e) (((e) >> 16) & 0xFu)
-#define LUT_LEN2(e) (((e) >> 20) & 0x1Fu)
-#define LUT_TWO(e) (((e) >> 25) & 1u)
+ *   bits 0-7 first symbol, 8-15 second symbol (0 when there is none), 16-20 bits consumed
+ *   by the pair (= first length when there is no second code), 21: a second code fits in the
+ *   11 bits, 22: no code starts here (lengths read as 1), 27-31 first code's length.
+ * The first length sits on top so a single-symbol decoder gets it with one shift; the
+ * 2-symbol entries halve the serial lookup chain of the pair decoder, as the CPU's do. */
+#define LUT_LEN1(e) ((e) >> 27)
+#define LUT_LEN2(e) (((e) >> 16) & 0x1Fu)
+#define LUT_TWO(e) (((e) >> 21) & 1u)
+#define LUT_BAD_BIT (1u << 22)
+#define LUT_SINGLE(sym, l) ((sym) | ((u32)(l) << 27) | ((u32)(l) << 16))
+#define LUT_NOCODE (LUT_SINGLE(0u, 1u) | LUT_BAD_BIT)
 struct HuffReader {
     u64 buf;          /* bit buffer, next bit at bit 0 */
     int nb;           /* valid bits in buf */
@@ -516,7 +528,7 @@ struct HuffReader {
     __device__ __forceinline__ u32 dec(const u32 *lut) {
         u32 e = lut[buf & (LUT_SIZE - 1)];
         u32 l = LUT_LEN1(e);
-        bad |= e >> 31;
+        bad |= e & LUT_BAD_BIT;
         buf >>= l; nb -= l; used += l;
         return e & 0xFFu;
     }
@@ -545,7 +557,7 @@ struct HuffReader {
                 if (nb < 32) refill();
                 u32 e = lut[buf & (LUT_SIZE - 1)];
                 u32 l = LUT_LEN2(e), two = LUT_TWO(e);
-                bad |= e >> 31;
+                bad |= e & LUT_BAD_BIT;
                 buf >>= l; nb -= l; used += l;
                 acc |= (u64)(e & 0xFFFFu) << (8 * na); /* at na == 7 the second symbol falls off: carry */
                 if (na == 7) carry = (e >> 8) & 0xFFu;
@@ -567,31 +579,37 @@ struct HuffPlane {
     u32 lo, hi, k, total, count;
 };
 
-/* Builds the 2^11-entry pair LUT in smem from the nibble-coded lengths; all TPB threads.
- * Returns 0, E_HUFF_LEN (a length over 11) or E_HUFF_KRAFT (over-subscribed), to all threads.
- * Everything is parallel: one thread per symbol reads its length once (a serial loop of
- * dependent global loads on thread 0 cost ~20 us per block), counts go through shared
- * atomics, and a symbol's place in the canonical order is a count over the smaller symbols.
- * scratch: >= LUT_SCRATCH words of smem. */
 #define LUT_SCRATCH (36 + 256 + 4 + 64)
-__device__ u32 build_lut_dev(const HuffPlane &h, u32 *lut, u32 *scratch) {
+/* Builds the 2^11-entry pair LUT in smem from the nibble-coded lengths, with NT threads
+ * (t = 0..NT-1): a whole CUDA block (uz_dec_fast/slow) or a group of uz_dec_wide. Every
+ * thread of the CUDA block calls it (uniform barriers); with active == false a thread's
+ * group does nothing. Returns 0, E_HUFF_LEN (a length over 11) or E_HUFF_KRAFT
+ * (over-subscribed). Everything is parallel: a thread per symbol reads its length once (a
+ * serial loop of dependent global loads on thread 0 cost ~20 us per block), counts go
+ * through shared atomics, and a symbol's place in the canonical order is a count over the
+ * smaller symbols. scratch: >= LUT_SCRATCH words of smem. */
+template <int NT>
+__device__ u32 build_lut_group(const HuffPlane &h, bool active, u32 *lut, u32 *scratch, u32 t) {
     u32 *cnt = scratch, *first = scratch + 12, *offs = scratch + 24, *sorted = scratch + 36, *okp = scratch + 36 + 256;
     u8 *slen = (u8 *)(scratch + 36 + 256 + 4);
-    const u32 t = threadIdx.x, span = h.hi - h.lo + 1;
-    if (t < 12) cnt[t] = 0;
-    if (t == 0) *okp = 0;
-    __syncthreads();
-    if (t < 256) {
-        u32 l = 0;
-        if (t < span) {
-            l = (h.lens[t / 2] >> ((t & 1) * 4)) & 0xFu;
-            if (l > MAX_CODE_LEN) { atomicOr(okp, 1u); l = 0; }
-            else if (l) atomicAdd(&cnt[l], 1u);
-        }
-        slen[t] = (u8)l;
+    const u32 span = active ? h.hi - h.lo + 1 : 0;
+    if (active) {
+        if (t < 12) cnt[t] = 0;
+        if (t == 0) *okp = 0;
     }
     __syncthreads();
-    if (t == 0) {
+    if (active)
+        for (u32 s = t; s < 256; s += NT) {
+            u32 l = 0;
+            if (s < span) {
+                l = (h.lens[s / 2] >> ((s & 1) * 4)) & 0xFu;
+                if (l > MAX_CODE_LEN) { atomicOr(okp, 1u); l = 0; }
+                else if (l) atomicAdd(&cnt[l], 1u);
+            }
+            slen[s] = (u8)l;
+        }
+    __syncthreads();
+    if (active && t == 0) {
         u32 c = 0, kraft = 0, o = 0;
         for (int l = 1; l <= MAX_CODE_LEN; l++) {
             c = (c + cnt[l - 1]) << 1;
@@ -603,47 +621,48 @@ __device__ u32 build_lut_dev(const HuffPlane &h, u32 *lut, u32 *scratch) {
         if (kraft > LUT_SIZE) *okp |= 2u;
     }
     __syncthreads();
-    const u32 bad = *okp;
-    if (!bad && t < span && slen[t]) {
-        const u32 l = slen[t];
-        u32 r = 0;
-        for (u32 q = 0; q < t; q++) r += slen[q] == l; /* same q on every lane: broadcast reads */
-        sorted[offs[l] + r] = h.lo + t;
-    }
+    const u32 bad = active ? *okp : 1u;
+    if (!bad)
+        for (u32 s = t; s < span; s += NT)
+            if (slen[s]) {
+                const u32 l = slen[s];
+                u32 r = 0;
+                for (u32 q = 0; q < s; q++) r += slen[q] == l;
+                sorted[offs[l] + r] = h.lo + s;
+            }
     __syncthreads();
-    if (!bad) {
-        /* pass 1: single-code entries */
-        for (u32 j = threadIdx.x; j < LUT_SIZE; j += TPB) {
-            u32 r = __brev(j) >> 21, e = (1u << 16) | (1u << 20) | (1u << 31);
+    if (!bad)
+        for (u32 j = t; j < LUT_SIZE; j += NT) {
+            u32 r = __brev(j) >> 21, e = LUT_NOCODE;
             for (int l = 1; l <= MAX_CODE_LEN; l++) {
                 u32 c = r >> (MAX_CODE_LEN - l);
                 if (c - first[l] < cnt[l]) {
-                    e = sorted[offs[l] + c - first[l]] | ((u32)l << 16) | ((u32)l << 20);
+                    e = LUT_SINGLE(sorted[offs[l] + c - first[l]], l);
                     break;
                 }
             }
             lut[j] = e;
         }
-        __syncthreads();
-        /* pass 2: add the second code where it fits in the 11 bits (its unknown high bits
-         * read as 0, which a prefix code of length <= 11 - l1 cannot depend on) */
-        u32 v[LUT_SIZE / TPB];
+    __syncthreads();
+    u32 v[LUT_SIZE / NT];
+    if (!bad)
 #pragma unroll
-        for (int q = 0; q < LUT_SIZE / TPB; q++) {
-            const u32 j = threadIdx.x + q * TPB;
+        for (int q = 0; q < LUT_SIZE / NT; q++) {
+            const u32 j = t + q * NT;
             u32 e = lut[j];
-            if (!(e >> 31)) {
+            if (!(e & LUT_BAD_BIT)) {
                 const u32 l1 = LUT_LEN1(e), e2 = lut[j >> l1], l2 = LUT_LEN1(e2);
-                if (!(e2 >> 31) && l1 + l2 <= MAX_CODE_LEN)
-                    e = (e & ~(0x1Fu << 20)) | ((e2 & 0xFFu) << 8) | ((l1 + l2) << 20) | (1u << 25);
+                if (!(e2 & LUT_BAD_BIT) && l1 + l2 <= MAX_CODE_LEN)
+                    e = (e & ~(0x1Fu << 16)) | ((e2 & 0xFFu) << 8) | ((l1 + l2) << 16) | (1u << 21);
             }
             v[q] = e;
         }
-        __syncthreads();
-#pragma unroll
-        for (int q = 0; q < LUT_SIZE / TPB; q++) lut[threadIdx.x + q * TPB] = v[q];
-    }
     __syncthreads();
+    if (!bad)
+#pragma unroll
+        for (int q = 0; q < LUT_SIZE / NT; q++) lut[t + q * NT] = v[q];
+    __syncthreads();
+    if (!active) return 0;
     return (bad & 1u) ? (u32)E_HUFF_LEN : (bad ? (u32)E_HUFF_KRAFT : 0u);
 }
 
@@ -1305,7 +1324,7 @@ __device__ void dec_fast(const u8 *__restrict__ frame, u64 payload_offset, u64 p
         for (u32 i = (N & ~15u) + t; i < N; i += TPB) bout[i] = sp[i];
     } else {
         const int h = hidx;
-        const u32 lcode = h >= 0 ? build_lut_dev(hp, lut, scratch) : 0u;
+        const u32 lcode = build_lut_group<TPB>(hp, h >= 0, lut, scratch, threadIdx.x);
         if (lcode) {
             if (t == 0) report(err, b, lcode);
             return;
@@ -1434,7 +1453,7 @@ __device__ void dec_slow(const u8 *__restrict__ frame, u64 payload_offset, u64 p
         for (int j = 0; j < np; j++) {
             if (pm[j] != PLANE_HUFF) continue;
             const HuffPlane &h = hps[j];
-            if ((bad = build_lut_dev(h, lut, scr)) != 0) break;
+            if ((bad = build_lut_group<TPB>(h, true, lut, scr, t)) != 0) break;
             u8 *buf = slot + (size_t)j * block_elems;
             const u32 per = (h.k + TPB - 1) / TPB;
             const u32 j0 = min(t * per, h.k), j1 = min(j0 + per, h.k);
@@ -1489,6 +1508,350 @@ __device__ void dec_slow(const u8 *__restrict__ frame, u64 payload_offset, u64 p
     }
 }
 
+/* ======================= wide decoder ======================= */
+/* uz_dec_wide: every thread decodes. WG = 128 threads per codec block, 1 to 8 codec
+ * blocks per CUDA block (the launcher picks; they share the CRC tables); thread j of a group takes chunk j of
+ * the block: Huffman sub-stream j (or 1/128 of a RAW / unentropy-coded block), decodes it,
+ * merges it with the RAW/CONST planes and stores the elements itself, and runs the CRCs of
+ * exactly the bytes it read and wrote on the way (one chain for its output slice, one per
+ * RAW-plane slice, one for its sub-stream's bytes and its `ends` entry). CRC linearity joins
+ * the chains: each register is moved to the end of its range (crc_shift) and XORed; the
+ * bytes no thread covers (block and plane headers, code lengths) are done by one thread.
+ * uz_dec_fast gave each codec block one CUDA block whose decode phase ran on 4 of 16 warps,
+ * read the block twice more for its CRCs and held 66 KB of symbols in shared memory; here
+ * all 32 resident warps of an SM decode, and the CRCs ride on the decode's own loads. */
+#define WG 128
+#define WSL 4                /* slicing-by-4 CRC tables (128 KB, lane-replicated) */
+#define WIDE_TAB_WORDS (WSL * 256 * 32 + 1024)
+#define WDESC_WORDS 256      /* per group: WideDesc, then the LUT, then the LUT build's scratch */
+#define WG_WORDS (WDESC_WORDS + LUT_SIZE + LUT_SCRATCH)
+enum { WS_IDLE = 0, WS_CRC_ONLY = 1, WS_SLOW = 2, WS_RAW = 3, WS_DENSE = 4 };
+struct WideDesc {
+    HuffPlane hp;
+    const u8 *blk;
+    u64 first;
+    u32 size, crc_o, crc_p, n;
+    u32 st, C, kk, xp, xo, bad, lcode;
+    int hidx;
+    const u8 *gap_at[2 * MAX_PLANES + 1];
+    u32 gap_len[2 * MAX_PLANES + 1];
+    u32 ngap;
+    u32 pm[MAX_PLANES], pc[MAX_PLANES];
+    const u8 *pr[MAX_PLANES];
+};
+
+/* 16 bytes at any alignment; reads only the aligned 16-byte words holding them */
+__device__ __forceinline__ void load16a(const u8 *p, u32 w[4]) {
+    const size_t a = (size_t)p;
+    const uint4 *q = (const uint4 *)(a & ~(size_t)15);
+    const u32 sh = (u32)(a & 15);
+    const uint4 x = q[0];
+    if (!sh) { w[0] = x.x; w[1] = x.y; w[2] = x.z; w[3] = x.w; return; }
+    const uint4 y = q[1];
+    const u32 X[8] = {x.x, x.y, x.z, x.w, y.x, y.y, y.z, y.w};
+    const u32 ws = sh >> 2, bs = (sh & 3) * 8;
+    u32 s[5];
+#pragma unroll
+    for (int k = 0; k < 5; k++) s[k] = ws == 0 ? X[k] : (ws == 1 ? X[k + 1] : (ws == 2 ? X[k + 2] : X[(k + 3) & 7]));
+#pragma unroll
+    for (int k = 0; k < 4; k++) w[k] = __funnelshift_r(s[k], s[k + 1], bs);
+}
+
+/* Sub-stream reader of uz_dec_wide: single-symbol lookups, branch-free. The stream is read
+ * as aligned 32-bit words, one loaded ahead; refill() tops the 64-bit buffer up by a word
+ * whenever it holds fewer than 32 bits (predicated, no divergence), so two lookups of at
+ * most 11 bits always find their bits. dec16() decodes 16 symbols in a fixed sequence: one
+ * basic block, which the compiler interleaves with the CRC and merge work around it. The
+ * pair decoder (HuffReader) needs ~2x the instructions per symbol: a data-dependent loop
+ * whose refill branch some lane of the warp takes at almost every lookup. */
+struct WideReader {
+    u64 buf;
+    u32 nb, wpos, wend, nxt, bad, sk;
+    const u32 *qw;
+    __device__ __forceinline__ void init(const u8 *p, u32 nbytes) {
+        const size_t a = (size_t)p, a0 = a & ~(size_t)3;
+        qw = (const u32 *)a0;
+        sk = (u32)(a & 3) * 8;
+        wend = (u32)((((a + nbytes + 3) & ~(size_t)3) - a0) / 4);
+        const u32 w0 = wend > 0 ? qw[0] : 0u, w1 = wend > 1 ? qw[1] : 0u;
+        nxt = wend > 2 ? qw[2] : 0u;
+        buf = ((u64)w0 | ((u64)w1 << 32)) >> sk;
+        nb = 64 - sk;
+        wpos = 2;
+        bad = 0;
+    }
+    __device__ __forceinline__ void refill() {
+        const bool need = nb < 32;
+        const u64 add = (u64)nxt << (nb & 31);
+        buf = need ? (buf | add) : buf;
+        nb = need ? nb + 32 : nb;
+        wpos = need ? wpos + 1 : wpos;
+        /* the next word is loaded only by lanes that consumed one: an unconditional load here
+         * (8 per 16 symbols, 32 cache lines per warp each) made large frames L1-bound */
+        u32 nw = 0u;
+        if (need && wpos < wend) nw = qw[wpos];
+        nxt = need ? nw : nxt;
+    }
+    __device__ __forceinline__ u32 dec(const u32 *lut) {
+        const u32 e = lut[buf & (LUT_SIZE - 1)], l = LUT_LEN1(e);
+        bad |= e;
+        buf >>= l;
+        nb -= l;
+        return e & 0xFFu;
+    }
+    __device__ __forceinline__ void dec16(const u32 *lut, u32 *w) {
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            refill();
+            const u32 a = dec(lut), b = dec(lut);
+            refill();
+            const u32 c = dec(lut), d = dec(lut);
+            w[q] = a | (b << 8) | (c << 16) | (d << 24);
+        }
+    }
+    __device__ __forceinline__ void dec16_single(const u32 *lut, u32 *w) { dec16(lut, w); }
+    __device__ __forceinline__ u32 dec1(const u32 *lut) {
+        refill();
+        return dec(lut);
+    }
+    /* bits consumed: every bit loaded into buf minus those still there */
+    __device__ __forceinline__ bool ok(u32 nbytes) const {
+        const u32 used = 32 * wpos - sk - nb;
+        return !(bad & LUT_BAD_BIT) && (used + 7) / 8 == nbytes;
+    }
+};
+
+/* Parses block b for uz_dec_wide (the checks of decode_block/decode_plane except the CRCs,
+ * which the group computes); thread 0 of the group. */
+template <int LAYOUT, int ISZ>
+__device__ void wide_parse(WideDesc &d, const BlockCtx &bc, u32 S, u32 b, u64 *err) {
+    constexpr int P = Lay<LAYOUT, ISZ>::P;
+    d.blk = bc.blk; d.size = bc.size; d.crc_o = bc.crc_o; d.crc_p = bc.crc_p; d.n = bc.n; d.first = bc.first;
+    d.xo = 0; d.bad = 0; d.lcode = 0; d.hidx = -1; d.ngap = 0; d.kk = 0; d.C = 16;
+    if (!bc.ok) { report(err, b, E_TOTAL); d.st = WS_IDLE; d.first = 0; return; }
+    u32 code = 0, st = WS_DENSE;
+    const u8 *p = bc.blk, *end = bc.blk + bc.size;
+    if (bc.size < 1) code = E_EMPTY;
+    else {
+        const u32 mode = *p++;
+        d.gap_at[0] = bc.blk; d.gap_len[0] = 1; d.ngap = 1;
+        if (mode == BLOCK_RAW) {
+            if (bc.size != 1 + bc.n * ISZ) code = E_RAW_SIZE;
+            st = WS_RAW;
+        } else if (mode == BLOCK_DENSE) {
+            for (int j = 0; j < P && !code; j++) {
+                u32 m = 0, cv = 0;
+                const u8 *raw = 0, *ps = p;
+                HuffPlane h;
+                code = parse_plane(p, end, bc.n, S, m, cv, raw, h);
+                if (code) break;
+                d.pm[j] = m; d.pc[j] = cv; d.pr[j] = raw;
+                /* the plane bytes before what the threads cover: mode (+ CONST value), or
+                 * mode, lo, span and the code lengths of a HUFF plane */
+                const u8 *cov = m == PLANE_RAW ? raw : (m == PLANE_CONST ? p : h.ends);
+                d.gap_at[d.ngap] = ps; d.gap_len[d.ngap] = (u32)(cov - ps); d.ngap++;
+                if (m == PLANE_HUFF) {
+                    if (d.hidx >= 0) st = WS_SLOW;
+                    else { d.hidx = j; d.hp = h; }
+                }
+            }
+            if (!code && p != end) code = E_TRAILING;
+        } else if (mode == BLOCK_SPARSE) {
+            st = WS_SLOW;
+        } else {
+            code = E_MODE;
+        }
+    }
+    if (code) { report(err, b, code); st = WS_CRC_ONLY; }
+    if (st == WS_DENSE && d.hidx >= 0) { d.C = S; d.kk = d.hp.k; }
+    else if (st == WS_RAW || st == WS_DENSE) { d.C = max(16u, ((bc.n + WG - 1) / WG + 15) & ~15u); d.kk = (bc.n + d.C - 1) / d.C; }
+    d.st = st;
+}
+
+/* Chunk j of a DENSE block: decode, merge, store; CRC registers (from 0) of the output slice
+ * and of every payload byte read, each moved to the end of its range and XORed into lo / lp.
+ * Reader: WideReader (single-symbol lookups, branch-free: shortest time per sub-stream, for
+ * frames of up to one wave) or HuffReader (pair lookups: half the LUT loads, which bound
+ * large frames, where 32 warps per SM hide its branches). */
+template <int LAYOUT, int ISZ, class Reader>
+__device__ __forceinline__ u32 wide_dense(const WideDesc &d, const u32 *lut, const u32 *tab, u32 j, u8 *bout, u32 &lp,
+                                          u32 &lo) {
+    constexpr int P = Lay<LAYOUT, ISZ>::P;
+    const u32 e0 = j * d.C, cnt = min(d.C, d.n - e0);
+    const int h = d.hidx;
+    Reader rd;
+    u32 start = 0, stop = 0;
+    if (h >= 0) {
+        start = j ? ld_u16(d.hp.ends + 2 * (j - 1)) : 0u;
+        stop = ld_u16(d.hp.ends + 2 * j);
+        if (stop < start || stop > d.hp.total) return E_ENDS_BACK;
+        rd.init(d.hp.data + start, stop - start);
+    }
+    u32 co = 0, cr[P];
+#pragma unroll
+    for (int q = 0; q < P; q++) cr[q] = 0;
+    u8 *o = bout + (size_t)e0 * ISZ;
+    u32 i = 0;
+    /* RAW-plane bytes are loaded one step ahead: a load issued where it is used stalled the
+     * thread for an L2/DRAM round trip every 16 symbols */
+    u32 rw[P][4];
+#pragma unroll
+    for (int q = 0; q < P; q++)
+        if (q != h && d.pm[q] == PLANE_RAW && cnt >= 16) load16a(d.pr[q] + e0, rw[q]);
+    for (; i + 16 <= cnt; i += 16) {
+        u32 pw[P][4];
+#pragma unroll
+        for (int q = 0; q < P; q++) {
+            if (q == h) {
+                if (i + 16 < cnt) rd.dec16(lut, pw[q]); /* HuffReader's pairs need a symbol after these */
+                else rd.dec16_single(lut, pw[q]);
+            } else if (d.pm[q] == PLANE_RAW) {
+#pragma unroll
+                for (int k = 0; k < 4; k++) pw[q][k] = rw[q][k];
+                if (i + 32 <= cnt) load16a(d.pr[q] + e0 + i + 16, rw[q]);
+                cr[q] = crc_q<WSL>(tab, cr[q], make_uint4(pw[q][0], pw[q][1], pw[q][2], pw[q][3]));
+            } else {
+                const u32 v = d.pc[q] * 0x01010101u;
+                pw[q][0] = pw[q][1] = pw[q][2] = pw[q][3] = v;
+            }
+        }
+        u32 ow[4 * ISZ];
+        merge16<LAYOUT, ISZ>(pw, ow);
+#pragma unroll
+        for (int q = 0; q < ISZ; q++) {
+            const uint4 v = make_uint4(ow[4 * q], ow[4 * q + 1], ow[4 * q + 2], ow[4 * q + 3]);
+            *(uint4 *)(o + (size_t)i * ISZ + 16 * q) = v;
+            co = crc_q<WSL>(tab, co, v);
+        }
+    }
+    for (; i < cnt; i++) {
+        u32 pb[P];
+#pragma unroll
+        for (int q = 0; q < P; q++) {
+            if (q == h) pb[q] = rd.dec1(lut);
+            else if (d.pm[q] == PLANE_RAW) { pb[q] = d.pr[q][e0 + i]; cr[q] = crc_b(tab, cr[q], pb[q]); }
+            else pb[q] = d.pc[q];
+        }
+        u8 ob[ISZ];
+        merge1<LAYOUT, ISZ>(pb, ob);
+#pragma unroll
+        for (int q = 0; q < ISZ; q++) { o[(size_t)i * ISZ + q] = ob[q]; co = crc_b(tab, co, ob[q]); }
+    }
+    u32 bad = 0;
+    if (h >= 0 && !rd.ok(stop - start)) bad = E_STREAM;
+    const u64 end_o = (u64)(e0 + cnt) * ISZ;
+    lo ^= crc_shift(co, (u64)d.n * ISZ - end_o);
+#pragma unroll
+    for (int q = 0; q < P; q++)
+        if (q != h && d.pm[q] == PLANE_RAW) lp ^= crc_shift(cr[q], d.size - (u64)(d.pr[q] + e0 + cnt - d.blk));
+    if (h >= 0) {
+        u32 cs = 0;
+        crc_run<1, WSL>(tab, &cs, d.hp.data + start, 0, stop - start);
+        lp ^= crc_shift(cs, d.size - (u64)(d.hp.data + stop - d.blk));
+        const u8 *ep = d.hp.ends + 2 * j;
+        lp ^= crc_shift(crc_b(tab, crc_b(tab, 0u, ep[0]), ep[1]), d.size - (u64)(ep + 2 - d.blk));
+    }
+    return bad;
+}
+
+/* Chunk j of a RAW block: copy, one CRC register for both the payload and the output. */
+template <int ISZ>
+__device__ __forceinline__ void wide_raw(const WideDesc &d, const u32 *tab, u32 j, u8 *bout, u32 &lp, u32 &lo) {
+    const u32 e0 = j * d.C, cnt = min(d.C, d.n - e0);
+    const u8 *s = d.blk + 1 + (size_t)e0 * ISZ;
+    u8 *o = bout + (size_t)e0 * ISZ;
+    const u32 nbytes = cnt * ISZ;
+    u32 c = 0, i = 0;
+    for (; i + 16 <= nbytes; i += 16) {
+        u32 w[4];
+        load16a(s + i, w);
+        const uint4 v = make_uint4(w[0], w[1], w[2], w[3]);
+        *(uint4 *)(o + i) = v;
+        c = crc_q<WSL>(tab, c, v);
+    }
+    for (; i < nbytes; i++) { o[i] = s[i]; c = crc_b(tab, c, s[i]); }
+    const u64 end_o = (u64)e0 * ISZ + nbytes;
+    lo ^= crc_shift(c, (u64)d.n * ISZ - end_o);
+    lp ^= crc_shift(c, d.size - (1 + end_o));
+}
+
+/* decode_block, every block: DENSE blocks with at most one HUFF plane and RAW blocks here;
+ * SPARSE blocks and blocks with several HUFF planes get their payload CRC checked here and
+ * are queued to uz_dec_slow. Arguments as uz_dec_fast, plus nblocks. */
+template <int LAYOUT, int ISZ, class Reader>
+__device__ void dec_wide(const u8 *__restrict__ frame, u64 payload_offset, u64 payload_len, u64 table_offset,
+                         const u64 *__restrict__ offsets, u64 numel, u32 block_elems, u32 S, u32 nblocks, u8 *out,
+                         u64 *err, u32 *clist, u32 *ccount) {
+    static_assert(sizeof(WideDesc) <= 4 * WDESC_WORDS, "WideDesc outgrew its slot");
+    /* dynamic shared memory: the CRC tables, then per group (blockDim.x / WG of them) its
+     * WideDesc, LUT and LUT-build scratch; the launcher sizes it (cuda.py: wide_smem) */
+    const u32 G = blockDim.x / WG, g = threadIdx.x / WG, lt = threadIdx.x % WG;
+    const u32 b = blockIdx.x * G + g;
+    u32 *const gbase = dsm + WIDE_TAB_WORDS + g * WG_WORDS;
+    WideDesc &d = *(WideDesc *)gbase;
+    u32 *const glut = gbase + WDESC_WORDS, *const gscr = glut + LUT_SIZE;
+    PH(0, 0);
+    crc_init_smem<WSL>(dsm);
+    if (lt == 0) {
+        if (b < nblocks) {
+            const BlockCtx bc = block_ctx(frame, payload_offset, payload_len, table_offset, offsets, numel, block_elems, b);
+            wide_parse<LAYOUT, ISZ>(d, bc, S, b, err);
+        } else {
+            d.st = WS_IDLE;
+            d.first = 0;
+        }
+    }
+    __syncthreads();
+    PH(0, 1);
+    const u32 *tab = dsm + (threadIdx.x & 31);
+    const u32 st = d.st;
+    if (lt == 32 && st != WS_IDLE) {
+        /* the payload register's start (~0, moved over the whole payload) and the headers */
+        u32 x = crc_shift(~0u, d.size);
+        if (st != WS_CRC_ONLY && st != WS_SLOW)
+            for (u32 q = 0; q < d.ngap; q++) {
+                u32 c = 0;
+                crc_run<1, WSL>(tab, &c, d.gap_at[q], 0, d.gap_len[q]);
+                x ^= crc_shift(c, d.size - (u64)(d.gap_at[q] + d.gap_len[q] - d.blk));
+            }
+        d.xp = x;
+    }
+    const u32 lcode = build_lut_group<WG>(d.hp, st == WS_DENSE && d.hidx >= 0, glut, gscr, lt);
+    PH(0, 2);
+    u32 lp = 0, lo = 0, bad = 0;
+    u8 *bout = out + d.first * ISZ;
+    if (st == WS_CRC_ONLY || st == WS_SLOW) {
+        const u32 per = (d.size + WG - 1) / WG, a = min(lt * per, d.size), e = min(a + per, d.size);
+        u32 c = 0;
+        crc_run<1, WSL>(tab, &c, d.blk + a, 0, e - a);
+        lp = crc_shift(c, d.size - e);
+    } else if (st == WS_RAW) {
+        for (u32 j = lt; j < d.kk; j += WG) wide_raw<ISZ>(d, tab, j, bout, lp, lo);
+    } else if (st == WS_DENSE && !lcode) {
+        /* after an error, later chunks still run: their CRC pieces keep the payload check whole */
+        for (u32 j = lt; j < d.kk; j += WG) {
+            const u32 e = wide_dense<LAYOUT, ISZ, Reader>(d, glut, tab, j, bout, lp, lo);
+            if (!bad) bad = e;
+        }
+    }
+    /* E_ENDS_BACK leaves a sub-stream's bytes out of the payload CRC: report only it */
+    if (bad) { report(err, b, bad); atomicOr(&d.bad, bad == E_ENDS_BACK ? 3u : 1u); }
+    lp = __reduce_xor_sync(0xFFFFFFFFu, lp);
+    lo = __reduce_xor_sync(0xFFFFFFFFu, lo);
+    if ((lt & 31) == 0 && st != WS_IDLE) { atomicXor(&d.xp, lp); atomicXor(&d.xo, lo); }
+    __syncthreads();
+    PH(0, 3);
+    if (lt == 0 && st != WS_IDLE) {
+        const bool crc_ok = ~d.xp == d.crc_p || (d.bad & 2u);
+        if (!crc_ok) report(err, b, E_PAYLOAD_CRC);
+        if (lcode) report(err, b, lcode);
+        if (st == WS_SLOW && crc_ok) clist[atomicAdd(ccount, 1u)] = b;
+        if ((st == WS_RAW || st == WS_DENSE) && !lcode && !d.bad &&
+            ~(crc_shift(~0u, (u64)d.n * ISZ) ^ d.xo) != d.crc_o)
+            report(err, b, E_ORIG_CRC);
+    }
+}
+
 /* ---- extern "C" entry points, one set per (layout, itemsize) ---- */
 #define UZ_INSTANTIATE(NAME, LAYOUT, ISZ)                                                                        \
     extern "C" __global__ void __launch_bounds__(TPB, 2) uz_enc_stats_##NAME(const u8 *src, u64 numel, u32 S, int cp, \
@@ -1507,6 +1870,20 @@ __device__ void dec_slow(const u8 *__restrict__ frame, u64 payload_offset, u64 p
                            u32 *ccount) {                                                                        \
         dec_fast<LAYOUT, ISZ>(frame, payload_offset, payload_len, table_offset, offsets, numel, block_elems, S,   \
                               out, err, clist, ccount);                                                          \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(1024, 1)                                                        \
+        uz_dec_wide_##NAME(const u8 *frame, u64 payload_offset, u64 payload_len, u64 table_offset,               \
+                           const u64 *offsets, u64 numel, u32 block_elems, u32 S, u32 nblocks, u8 *out, u64 *err, \
+                           u32 *clist, u32 *ccount) {                                                            \
+        dec_wide<LAYOUT, ISZ, WideReader>(frame, payload_offset, payload_len, table_offset, offsets, numel,      \
+                                          block_elems, S, nblocks, out, err, clist, ccount);                     \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(1024, 1)                                                        \
+        uz_dec_widep_##NAME(const u8 *frame, u64 payload_offset, u64 payload_len, u64 table_offset,              \
+                            const u64 *offsets, u64 numel, u32 block_elems, u32 S, u32 nblocks, u8 *out,         \
+                            u64 *err, u32 *clist, u32 *ccount) {                                                 \
+        dec_wide<LAYOUT, ISZ, HuffReader>(frame, payload_offset, payload_len, table_offset, offsets, numel,      \
+                                          block_elems, S, nblocks, out, err, clist, ccount);                     \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(TPB)                                                            \
         uz_dec_slow_##NAME(const u8 *frame, u64 payload_offset, u64 payload_len, u64 table_offset,               \
