@@ -4,8 +4,10 @@ Data: real tensors (Gemma-3 weights / activations / KV, MiniLM fp32 weights; a s
 by `--make-slice` from benchmarks/realdata.py's cache) tiled up to each size, and bf16
 N(0, 0.02) generated on the device. Sizes 1 MiB .. 1 GiB; inputs rotate among several
 copies so they do not sit in L2. CUDA events, median of --repeats runs after warm-up.
-GB/s count ORIGINAL bytes. Every uzip frame is checked bit-exact on the GPU, and (up to
-64 MiB) on the CPU decoder too. Writes codec_gpu.json / codec_gpu.png to --out.
+GB/s count ORIGINAL bytes. Every uzip frame is checked bit-exact on the GPU (both decoders),
+and (up to 64 MiB) on the CPU decoder too. Decompress is timed for both GPU decoders:
+uz_dec_wide (d_ms; its single- or pair-lookup build by frame size) and round 3's uz_dec_fast
+(d_fast_ms). Writes codec_gpu.json / codec_gpu.png to --out.
 
     python -m benchmarks.codec_gpu --data .gpudata/real.safetensors --out docs/benchmarks
 
@@ -26,6 +28,7 @@ import torch
 
 import uzip_serve as uz
 from uzip_serve import codec
+from uzip_serve.kernels import cuda as kc
 
 MiB = 1 << 20
 SIZES = [1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB, 1024 * MiB]
@@ -107,10 +110,21 @@ def ours(x_list, repeats, check_cpu):
     c_ms = time_ms(lambda i, r: codec.compress_device_async(x_list[r % len(x_list)], outs[r % len(outs)], size),
                    list(range(len(x_list))), repeats)
     hdrs = [uz.read_header(o[:m].cpu().numpy().tobytes()) for o, m in zip(outs, sizes)]
+    kc.DECODER = "wide"
     d_ms = time_ms(lambda i, r: codec.decompress_device(outs[r % len(outs)][:sizes[r % len(outs)]],
                                                           header=hdrs[r % len(outs)], out=ys[r % len(ys)],
                                                           check=False), list(range(len(x_list))), repeats)
     res = {"ratio": n / (x.numel() * x.element_size()), "c_ms": c_ms, "d_ms": d_ms, "exact": bool(exact)}
+    # the previous decoder (uz_dec_fast, one CUDA block per codec block), same frames, same run
+    kc.DECODER = "fast"
+    try:
+        y = codec.decompress_device(outs[0][:n], header=hdr)
+        res["exact"] &= torch.equal(y.view(torch.uint8), x.view(torch.uint8))
+        res["d_fast_ms"] = time_ms(lambda i, r: codec.decompress_device(
+            outs[r % len(outs)][:sizes[r % len(outs)]], header=hdrs[r % len(outs)], out=ys[r % len(ys)],
+            check=False), list(range(len(x_list))), repeats)
+    finally:
+        kc.DECODER = "wide"
     if x.numel() * x.element_size() <= 64 * MiB:
         res.update(graph_times(x, outs[0], n, hdrs[0], ys[0], repeats))
     return res
@@ -122,10 +136,12 @@ def graph_times(x, out, n, hdr, y, repeats):
     size = torch.zeros(1, dtype=torch.int64, device="cuda")
     steps = {"c": lambda: codec.compress_device_async(x, out, size),
              "d": lambda: codec.decompress_device(out[:n], header=hdr, out=y, check=False),
+             "d_fast": lambda: codec.decompress_device(out[:n], header=hdr, out=y, check=False),
              "cd": lambda: (codec.compress_device_async(x, out, size),
                             codec.decompress_device(out[:n], header=hdr, out=y, check=False))}
     res = {}
     for key, fn in steps.items():
+        kc.DECODER = "fast" if key == "d_fast" else "wide"  # the choice is made at capture
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
@@ -135,6 +151,7 @@ def graph_times(x, out, n, hdr, y, repeats):
         with torch.cuda.graph(g):
             fn()
         res[f"graph_{key}_ms"] = time_ms(lambda i, r: g.replay(), [0], max(repeats, 20))
+    kc.DECODER = "wide"
     torch.cuda.synchronize()
     return res
 
@@ -238,7 +255,8 @@ def main(argv=None):
             u = row["uzip"]
             print(f"{name:22s} {size // MiB:5d} MiB  uzip r={u['ratio']:.4f} c={size / u['c_ms'] / 1e6:7.1f} GB/s "
                   f"({u['c_ms'] * 1e3:8.1f} us) d={size / u['d_ms'] / 1e6:7.1f} GB/s ({u['d_ms'] * 1e3:8.1f} us) "
-                  f"exact={u['exact']}" + (f" graph c/d/cd {u['graph_c_ms'] * 1e3:.1f}/{u['graph_d_ms'] * 1e3:.1f}/"
+                  f"[d old {size / u['d_fast_ms'] / 1e6:7.1f}] exact={u['exact']}" + (f" graph c/d/d_old/cd {u['graph_c_ms'] * 1e3:.1f}/{u['graph_d_ms'] * 1e3:.1f}/"
+                                            f"{u['graph_d_fast_ms'] * 1e3:.1f}/"
                                             f"{u['graph_cd_ms'] * 1e3:.1f} us" if "graph_c_ms" in u else ""),
                   flush=True)
             for cname in ("nvcomp-ANS-256K", "nvcomp-ANS-default", "nvcomp-Bitcomp"):
@@ -280,6 +298,10 @@ def main(argv=None):
                        if cname in r and key in r[cname]]
                 if pts:
                     ax.plot(*zip(*pts), marker="o", label=cname)
+            if key == "d_ms":  # the round-3 decoder, same frames, same run
+                pts = [(x, r["bytes"] / r["uzip"]["d_fast_ms"] / 1e6) for x, r in zip(xs_, rows)
+                       if "d_fast_ms" in r["uzip"]]
+                ax.plot(*zip(*pts), marker="x", linestyle="--", label="uzip, uz_dec_fast (round 3)")
             ax.set_xscale("log", base=2)
             ax.set_xlabel("MiB (bf16 N(0,0.02))")
             ax.set_ylabel("GB/s of original bytes")
