@@ -299,8 +299,6 @@ BLOCK = 16
 def _kv_connector(**cfg):
     """A UzipConnector worker half without vLLM: the layout of Gemma-3-270M on vLLM's CPU backend
     ([blocks, 1 kv head, 16 tokens, 2 x 256]), 18 layers, TP=1."""
-    import threading
-
     import torch
     from uzip_serve.p2p import TransportConfig
     from uzip_vllm import kv_connector as kc
@@ -313,7 +311,7 @@ def _kv_connector(**cfg):
     c._dtype, c._page_shape = torch.bfloat16, (1, BLOCK, 512)
     c._page_nbytes = BLOCK * 512 * 2
     c._stats = kc._Stats(None)
-    c._incoming, c._incoming_lock, c._arrived, c._closed = {}, threading.Lock(), threading.Event(), False
+    c._init_link_state()
     c._transport = TransportConfig.from_env(compression=c._cfg.compression, progress_mode=c._cfg.progress_mode,
                                             chunk_bytes=c._cfg.chunk_bytes, deadline_s=c._cfg.deadline_s,
                                             cuda_ipc="off")
