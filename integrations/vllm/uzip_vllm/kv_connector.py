@@ -597,7 +597,8 @@ class UzipConnector(KVConnectorBase_V1):
                 raw += st.raw_bytes
                 wire += st.wire_bytes
                 sent += len(layers)
-            self._links.put(transport.compression, ep)
+            self._links.put(transport.compression, ep)  # for the next transfer; no longer ours to abort
+            ep = None
             t1 = time.time()
             stats.note(spec.xfer_id, t_send_start=t0, t_send_done=t1, send_active_s=active, raw_bytes=raw,
                        wire_bytes=wire, compression=transport.compression)
