@@ -299,8 +299,6 @@ BLOCK = 16
 def _kv_connector(**cfg):
     """A UzipConnector worker half without vLLM: the layout of Gemma-3-270M on vLLM's CPU backend
     ([blocks, 1 kv head, 16 tokens, 2 x 256]), 18 layers, TP=1."""
-    import threading
-
     import torch
     from uzip_serve.p2p import TransportConfig
     from uzip_vllm import kv_connector as kc
@@ -313,7 +311,7 @@ def _kv_connector(**cfg):
     c._dtype, c._page_shape = torch.bfloat16, (1, BLOCK, 512)
     c._page_nbytes = BLOCK * 512 * 2
     c._stats = kc._Stats(None)
-    c._incoming, c._incoming_lock, c._arrived, c._closed = {}, threading.Lock(), threading.Event(), False
+    c._init_link_state()
     c._transport = TransportConfig.from_env(compression=c._cfg.compression, progress_mode=c._cfg.progress_mode,
                                             chunk_bytes=c._cfg.chunk_bytes, deadline_s=c._cfg.deadline_s,
                                             cuda_ipc="off")
@@ -355,7 +353,7 @@ def kv_only_send(args) -> int:
 
     from uzip_vllm import kv_connector as kc
 
-    c = _kv_connector(peer=f"{KV_ADDR['dc']}:{args.kv_port}", deadline_s=30.0)
+    c = _kv_connector(peer=f"{KV_ADDR['dc']}:{args.kv_port}", deadline_s=30.0, chunk_bytes=args.kv_chunk_bytes)
     from concurrent.futures import ThreadPoolExecutor
 
     c._sender = ThreadPoolExecutor(max_workers=1)
@@ -378,6 +376,8 @@ def kv_only_send(args) -> int:
                 rows.append({"input_len": n, "compression": mode, "repeat": rep,
                              "kv_transfer_s": x["t_send_done"] - x["t_send_start"],
                              "raw_bytes": x["raw_bytes"], "wire_bytes": x["wire_bytes"]})
+    print("COUNTERS " + json.dumps({k: c._stats.counters.get(k, 0) for k in ("connects", "reconnects", "sends_ok")}),
+          flush=True)
     print("RESULT " + json.dumps(rows), flush=True)
     return 0
 
@@ -390,7 +390,7 @@ def kv_only(args) -> int:
     link_up()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "integrations" / "vllm"),
                                                         os.environ.get("PYTHONPATH", "")])}
-    runs = []
+    runs, counters = [], {}
     try:
         for k, rate in enumerate(args.rates):
             set_rate(rate)
@@ -402,11 +402,13 @@ def kv_only(args) -> int:
                 assert recv.stdout.readline().strip() == "READY"
                 r = subprocess.run(["ip", "netns", "exec", NS["pf"], sys.executable, "-m", "benchmarks.disagg_link",
                                     "--kv-only-role", "send", "--kv-port", str(port), "--input-lens",
-                                    ",".join(map(str, args.input_lens)), "--repeats", str(args.repeats)],
+                                    ",".join(map(str, args.input_lens)), "--repeats", str(args.repeats),
+                                    "--kv-chunk-bytes", str(args.kv_chunk_bytes)],
                                    capture_output=True, text=True, cwd=str(REPO), env=env, timeout=1200)
                 line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
                 if not line:
                     raise RuntimeError(f"sender failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
+                counters[rate] = json.loads(next(x for x in r.stdout.splitlines() if x.startswith("COUNTERS "))[9:])
                 for row in json.loads(line[0][7:]):
                     runs.append({"rate": rate, **row})
                     print("KV " + json.dumps(runs[-1]), flush=True)
@@ -432,11 +434,12 @@ def kv_only(args) -> int:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     result = {"benchmark": "disagg_kv_only", "machine": machine.describe(),
-              "what": "UzipConnector's sender and receiver code (hello + one p2p transfer per layer) without vLLM, "
-                      "real Gemma-3-270M bf16 KV (benchmarks.realdata gemma_activations, 493 tokens repeated), "
-                      "vLLM CPU page layout, over the netns veth link",
-              "repeats": args.repeats, "tbf_burst": {rate: default_burst(rate) for rate in args.rates},
-              "table": table, "runs": runs}
+              "what": "UzipConnector's sender and receiver code (a connection kept open across transfers: transfer "
+                      "hello + the p2p transfers of the layers) without vLLM, real Gemma-3-270M bf16 KV "
+                      "(benchmarks.realdata gemma_activations, 493 tokens repeated), vLLM CPU page layout, over the "
+                      "netns veth link",
+              "repeats": args.repeats, "chunk_bytes": args.kv_chunk_bytes, "tbf_burst": {rate: default_burst(rate) for rate in args.rates},
+              "sender_counters": counters, "table": table, "runs": runs}
     (out / "disagg_kv_only.json").write_text(json.dumps(result, indent=2) + "\n")
     return 0
 
@@ -458,6 +461,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-only", action="store_true",
                     help="only the connector's transfer path with real Gemma KV (no vLLM): fast, little memory")
     ap.add_argument("--kv-only-role", choices=["send", "recv"], default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--kv-chunk-bytes", type=int, default=1 << 20, help="--kv-only: the connector's chunk_bytes")
     ap.add_argument("--resummarize", metavar="JSON", default=None,
                     help="rebuild the table and PNG of an earlier result file (no runs)")
     args = ap.parse_args(argv)

@@ -285,3 +285,30 @@ def test_use_running_loop_runs_transfers_on_the_callers_loop():
         assert refused is not None and "use_running_loop" in refused
     finally:
         peer.stop()
+
+
+def test_idle_receive_outlasts_the_deadline_and_ends_when_the_peer_goes():
+    """A kept-open connection waits for its next message longer than deadline_s; when the peer
+    goes away the wait ends at once with PeerError, and `alive` says so on the other side too."""
+    import threading
+    import time
+
+    config = p2p.TransportConfig(deadline_s=1.0, progress_mode="thread")
+    with p2p.SyncListener(0, config) as lst:
+        sender = p2p.connect_sync("127.0.0.1", lst.port, config)
+        receiver = lst.accept(timeout=10)
+        threading.Timer(2.5, sender.send_bytes, args=(b"next",)).start()
+        t0 = time.monotonic()
+        assert receiver.recv_bytes(64, idle=True) == b"next"
+        assert time.monotonic() - t0 > 2.0
+        assert sender.alive and receiver.alive
+        threading.Timer(0.5, sender.abort).start()
+        t0 = time.monotonic()
+        with pytest.raises(p2p.PeerError):
+            receiver.recv_bytes(64, idle=True)
+        assert time.monotonic() - t0 < 3.0
+        deadline = time.monotonic() + 5
+        while receiver.alive and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not sender.alive and not receiver.alive
+        receiver.abort()

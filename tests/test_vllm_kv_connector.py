@@ -206,3 +206,163 @@ def test_config_errors_name_the_field():
         kv_connector.parse_config({}, "kv_both")
     cfg = kv_connector.parse_config({"peer": "h:5", "load_timeout_s": 3}, "kv_producer")
     assert cfg.peer_host_port == ("h", 5) and cfg.load_timeout_s == 3.0
+
+
+# ---- no vLLM start-up: the kept-open connection of the transfer path ---------------------------
+# Worker halves as benchmarks/disagg_link.py builds them (Gemma-3-270M's CPU page layout, 18
+# layers, TP=1), sender and receiver in this process or the receiver in a child process.
+
+NUM_TOKENS = 100  # 7 blocks of 16: a partial last block
+
+
+def _sender(port, **cfg):
+    from benchmarks.disagg_link import _kv_connector
+
+    return _kv_connector(peer=f"127.0.0.1:{port}", compression="on", **cfg)
+
+
+def _receiver():
+    from benchmarks.disagg_link import _kv_connector
+
+    r = _kv_connector(listen="127.0.0.1:0")
+    r._start_listener()
+    return r
+
+
+def _layers(seed):
+    """bf16 KV-like layers (normal values: the codec has exponents to compress)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    nblk = -(-NUM_TOKENS // 16)
+    return [torch.randn(nblk, 1, 16, 512, generator=g).to(torch.bfloat16) for _ in range(18)]
+
+
+def _send(s, layers):
+    """One transfer through the sender's own path; returns its xfer id and its stats record."""
+    import uuid
+
+    xfer = uuid.uuid4().hex
+    out = kv_connector._Outgoing(kv_connector.SaveSpec("r", xfer, list(range(layers[0].shape[0])), NUM_TOKENS))
+    for i, b in enumerate(layers):
+        out.q.put((i, b))
+    out.q.put(kv_connector._END)
+    s._send_one(out)
+    return xfer, s._stats.xfers[xfer]
+
+
+def _received(r, xfer, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with r._incoming_lock:
+            entry = r._incoming.get(xfer)
+        if entry is not None and (entry.done or entry.error):
+            return entry
+        time.sleep(0.01)
+    raise AssertionError(f"transfer {xfer} never completed on the receiver")
+
+
+def _assert_bitwise(entry, layers):
+    assert entry.error is None and sorted(entry.layers) == list(range(len(layers)))
+    for i, want in enumerate(layers):
+        got = entry.layers[i]
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch_equal_bits(got, want), f"layer {i} differs"
+
+
+def torch_equal_bits(a, b):
+    import torch
+
+    return torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def test_transfers_reuse_one_connection():
+    r = _receiver()
+    s = _sender(r._listener.port)
+    try:
+        for seed in range(3):
+            layers = _layers(seed)
+            xfer, rec = _send(s, layers)
+            assert "error" not in rec, rec
+            _assert_bitwise(_received(r, xfer), layers)
+        # Three transfers, one connection: one connect on the prefill side, one session on the decode side.
+        assert s._stats.counters.get("connects") == 1
+        assert s._stats.counters.get("reconnects", 0) == 0
+        assert s._stats.counters.get("sends_ok") == 3
+        assert r._stats.counters.get("sessions") == 1
+    finally:
+        s.shutdown()
+        r.shutdown()
+
+
+@pytest.mark.parametrize("noticed", [True, False], ids=["seen-idle", "seen-on-send"])
+def test_broken_kept_connection_is_replaced(noticed, monkeypatch):
+    from uzip_serve.p2p import sync
+
+    r = _receiver()
+    s = _sender(r._listener.port)
+    try:
+        layers = _layers(0)
+        xfer, _ = _send(s, layers)
+        _assert_bitwise(_received(r, xfer), layers)
+        # The decode side drops the connection (as a restarted decode worker would have).
+        for ep in list(r._sessions):
+            ep.abort()
+        if not noticed:  # as if UCX had not seen it yet: the transfer's first send finds out
+            monkeypatch.setattr(sync.SyncEndpoint, "alive", property(lambda self: True))
+        layers = _layers(1)
+        xfer, rec = _send(s, layers)
+        assert "error" not in rec, rec
+        _assert_bitwise(_received(r, xfer), layers)
+        assert s._stats.counters.get("connects") == 2
+        assert s._stats.counters.get("reconnects") == 1
+    finally:
+        s.shutdown()
+        r.shutdown()
+
+
+def test_dead_decode_peer_fails_the_transfer_within_the_deadline(tmp_path):
+    """The decode process is killed with a kept connection open: the next transfer fails (the
+    decode side's failure policy applies there) within the deadline instead of hanging; a decode
+    process started again on the same port gets the transfer after that."""
+    import subprocess
+    import sys
+
+    from uzip_vllm import demo
+
+    port = demo.free_port()
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.path.join(repo, "integrations", "vllm"),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    script = ("import time\nfrom benchmarks.disagg_link import _kv_connector\n"
+              f"c = _kv_connector(listen='127.0.0.1:{port}')\nc._start_listener()\n"
+              "print('READY', flush=True)\ntime.sleep(600)\n")
+
+    def decode_process():
+        p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env,
+                             start_new_session=True)
+        assert p.stdout.readline().strip() == "READY"
+        return p
+
+    deadline_s = 3.0
+    s = _sender(port, deadline_s=deadline_s)
+    proc = decode_process()
+    try:
+        _, rec = _send(s, _layers(0))
+        assert "error" not in rec, rec
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        t0 = time.monotonic()
+        _, rec = _send(s, _layers(1))
+        took = time.monotonic() - t0
+        assert "error" in rec
+        assert s._stats.counters.get("sends_failed") == 1
+        assert took < 2 * deadline_s + 2, f"the failed transfer took {took:.1f} s"
+        proc = decode_process()
+        _, rec = _send(s, _layers(2))
+        assert "error" not in rec, rec
+        assert s._stats.counters.get("connects") == 2
+    finally:
+        s.shutdown()
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

@@ -30,8 +30,12 @@ class SyncEndpoint:
     def send_bytes(self, data: bytes) -> None:
         run(self._ep.send_bytes(data))
 
-    def recv_bytes(self, limit: int = 64 << 20) -> bytes:
-        return run(self._ep.recv_bytes(limit))
+    def recv_bytes(self, limit: int = 64 << 20, *, idle: bool = False) -> bytes:
+        return run(self._ep.recv_bytes(limit, idle=idle))
+
+    @property
+    def alive(self) -> bool:
+        return self._ep.alive
 
     def abort(self) -> None:
         ucx_loop().call_soon_threadsafe(self._ep.abort)

@@ -80,6 +80,10 @@ def start_ucx(config: TransportConfig) -> None:
         return
     # ucxx sets UCX variables of its own that this UCX build does not know; quiet that.
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    # A listener restarted on its port (a restarted server) must not wait a minute for the
+    # TIME_WAIT of the connections its previous process held open (measured: bind() failed
+    # for ~60 s after a kill). Linux still refuses a port another socket listens on.
+    os.environ.setdefault("UCX_CM_REUSEADDR", "y")
     ucxx = _ucxx()
     # The environment wins if the user set UCX_TLS themselves (e.g. for RDMA).
     # In the thread modes, completions reach asyncio as Python futures set by a notifier
@@ -238,12 +242,23 @@ class Endpoint:
         if data:
             await self.send(data)
 
-    async def recv_bytes(self, limit: int = 64 << 20) -> bytes:
-        return await on_ucx_loop(self._recv_bytes(limit))
+    async def recv_bytes(self, limit: int = 64 << 20, *, idle: bool = False) -> bytes:
+        """The next control message. `idle`: its first part may take any time (a kept-open
+        connection waiting for its next use); the wait still ends at once, with PeerError, when
+        the peer closes or dies or this endpoint is aborted. (A deadline could not be used for
+        that wait: a receive that timed out would stay posted and swallow the next message.)"""
+        return await on_ucx_loop(self._recv_bytes(limit, idle))
 
-    async def _recv_bytes(self, limit: int) -> bytes:
+    async def _recv_bytes(self, limit: int, idle: bool = False) -> bytes:
         n = bytearray(8)
-        await self.recv(n)
+        if idle:
+            self._check_open()
+            try:
+                await self._ep.recv(n)
+            except Exception as e:  # noqa: BLE001 - translated into a typed error or re-raised
+                raise _translate(e, "recv") from e
+        else:
+            await self.recv(n)
         size = int.from_bytes(n, "little")
         if size > limit:
             raise ProtocolError(f"control message of {size} bytes exceeds the limit {limit}")
@@ -279,6 +294,12 @@ class Endpoint:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def alive(self) -> bool:
+        """Open here and, as far as UCX knows, at the peer: False once the peer closed, died or
+        reset the connection (UCX notices that without a transfer in flight)."""
+        return not self._closed and not self._ep.closed
 
 
 def _abort_quietly(ucx_ep, executor) -> None:

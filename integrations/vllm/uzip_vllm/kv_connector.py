@@ -12,9 +12,10 @@ failure policy and measurements: docs/kv_connector.md.
 How KV moves (push, layer by layer):
 - prefill, worker side: in the step that finishes a request's prompt, `save_kv_layer` copies
   that layer's blocks of the request (`index_select`, so the blocks may be freed at once) and
-  hands them to a sender thread, which sends them over a fresh UCX endpoint to the decode
-  worker of the same TP rank while the forward computes the next layers. The split-send
-  pipeline compresses each chunk (auto / on / off);
+  hands them to a sender thread, which sends them to the decode worker of the same TP rank
+  while the forward computes the next layers, over a connection kept open between requests
+  (no connect and no answered hello per request). The split-send pipeline compresses each
+  chunk (auto / on / off);
 - decode, worker side: a listener thread receives the layers into a store keyed by xfer id;
   the scheduler admits the request with an asynchronous load of the first `prompt - 1`
   tokens, and once every layer has arrived `get_transfer_results` writes the blocks into the
@@ -64,10 +65,13 @@ PARAMS_KEY = "uzip"
 _XFER_ID = re.compile(r"^[0-9a-f]{32}$")
 
 # ---- wire: the control messages (docs/kv_connector.md) -----------------------------------------
-# Sender -> receiver, first message on every connection, 68 bytes, little-endian:
+# Sender -> receiver, 68 bytes, little-endian. The first message of a connection is a probe or a
+# session hello, answered with a reply; a session then carries any number of transfers, one after
+# another, each a transfer hello (not answered: its layers follow at once) and its layers.
 #   4s  magic "UZKV"
-#   u16 version (1)
-#   u16 kind: 1 = probe (start-up layout check; nothing follows), 2 = transfer
+#   u16 version (2; version 1 opened a connection per transfer and answered its hello)
+#   u16 kind: 1 = probe (start-up layout check; the sender closes after the reply),
+#             2 = transfer (on a session only), 3 = session (a kept-open connection for transfers)
 #   u16 tp_size, u16 tp_rank of the sender
 #   u16 num_layers: per-layer messages that follow a transfer, in layer order
 #   u8  dtype code (_DTYPES), u8 reserved (0)
@@ -79,9 +83,9 @@ _XFER_ID = re.compile(r"^[0-9a-f]{32}$")
 # Then, for a transfer, num_layers p2p tensor messages, each {"<layer index>": [num_blocks, *page]}.
 HELLO = struct.Struct("<4sHHHHHBBIIIQ32s")
 HELLO_MAGIC = b"UZKV"
-HELLO_VERSION = 1
-KIND_PROBE, KIND_TRANSFER = 1, 2
-# Receiver -> sender, the answer to a hello: 4s magic "UZKA", u32 status (0 ok, 1 refused),
+HELLO_VERSION = 2
+KIND_PROBE, KIND_TRANSFER, KIND_SESSION = 1, 2, 3
+# Receiver -> sender, the answer to a probe or session hello: 4s magic "UZKA", u32 status (0 ok, 1 refused),
 # then a UTF-8 reason (at most 1 KiB) when refused.
 REPLY = struct.Struct("<4sI")
 REPLY_MAGIC = b"UZKA"
@@ -119,7 +123,7 @@ class Hello:
             raise ValueError(f"bad magic {magic!r}")
         if version != HELLO_VERSION:
             raise ValueError(f"unsupported version {version} (this side speaks {HELLO_VERSION})")
-        if kind not in (KIND_PROBE, KIND_TRANSFER):
+        if kind not in (KIND_PROBE, KIND_TRANSFER, KIND_SESSION):
             raise ValueError(f"unknown kind {kind}")
         xfer_id = xfer.rstrip(b"\0").decode("ascii", "replace")
         if kind == KIND_TRANSFER and not _XFER_ID.match(xfer_id):
@@ -292,6 +296,41 @@ class _Outgoing:
 _END = object()
 
 
+class _Links:
+    """The prefill worker's open connections to its decode peer, kept between transfers so that
+    a request pays neither a connect nor a hello round trip. A transfer takes an idle one and puts
+    it back once its last layer was acknowledged; concurrent transfers each hold their own, so
+    there are at most as many as sender threads. Kept per compression mode: a connection's
+    transport config and adaptive policy are fixed when it opens."""
+
+    def __init__(self):
+        self._idle: dict[str, list] = {}  # compression mode -> idle SyncEndpoints
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def take(self, mode: str):
+        with self._lock:
+            idle = self._idle.get(mode)
+            return idle.pop() if idle else None
+
+    def put(self, mode: str, ep) -> None:
+        with self._lock:
+            if not self._closed:
+                self._idle.setdefault(mode, []).append(ep)
+                return
+        ep.abort()  # closed meanwhile (shutdown)
+
+    def close(self) -> None:
+        """Closes the idle connections (nothing in flight on them); ones in use close when
+        their transfer ends."""
+        with self._lock:
+            self._closed = True
+            eps = [ep for idle in self._idle.values() for ep in idle]
+            self._idle.clear()
+        for ep in eps:
+            ep.abort()
+
+
 def _dtype_code(dtype: torch.dtype) -> int:
     if dtype not in _DTYPES:
         raise ValueError(f"UzipConnector: KV cache dtype {dtype} is not supported ({list(_DTYPES)})")
@@ -333,14 +372,20 @@ class UzipConnector(KVConnectorBase_V1):
         self._layer_names: list[str] = []
         self._stats: _Stats | None = None
         self._outgoing: dict[str, _Outgoing] = {}
-        self._sender: ThreadPoolExecutor | None = None
-        self._incoming: dict[str, _Incoming] = {}
-        self._incoming_lock = threading.Lock()
         self._pending: dict[str, tuple[LoadSpec, float]] = {}
-        self._arrived = threading.Event()  # set by receiver threads when a transfer ends
-        self._listener = None
-        self._closed = False
         self._transport = None
+        self._init_link_state()
+
+    def _init_link_state(self) -> None:
+        """What the sender and receiver threads share (also used by benchmarks/disagg_link.py)."""
+        self._sender: ThreadPoolExecutor | None = None  # producer: sender threads
+        self._links = _Links()                          # producer: kept-open connections
+        self._listener = None                           # consumer
+        self._sessions: set = set()                     # consumer: open connections, aborted at shutdown
+        self._incoming: dict[str, _Incoming] = {}       # consumer: transfers by xfer id
+        self._incoming_lock = threading.Lock()
+        self._arrived = threading.Event()               # set by receiver threads when a transfer ends
+        self._closed = False
 
     # ==== scheduler side ====================================================================
 
@@ -530,11 +575,7 @@ class UzipConnector(KVConnectorBase_V1):
                 out.q.put(_END)
 
     def _send_one(self, out: _Outgoing) -> None:
-        from uzip_serve import p2p
-
         spec, stats = out.spec, self._stats
-        host, port = self._cfg.peer_host_port
-        port += self._tp_rank
         t0 = time.time()
         raw = wire = 0
         active = 0.0  # seconds spent in hello + sends, i.e. not waiting for the forward
@@ -543,33 +584,21 @@ class UzipConnector(KVConnectorBase_V1):
             transport = self._transport
             if spec.compression and spec.compression != transport.compression:
                 transport = dataclasses.replace(transport, compression=spec.compression)
-            ep = p2p.connect_sync(host, port, transport)
-            num_blocks = len(spec.block_ids)
-            ep.send_bytes(self._hello(KIND_TRANSFER, spec.xfer_id, spec.num_tokens, num_blocks).pack())
-            reason = unpack_reply(ep.recv_bytes(4096))
-            active = time.time() - t0
-            if reason:
-                raise RuntimeError(f"decode refused: {reason}")
+            hello = self._hello(KIND_TRANSFER, spec.xfer_id, spec.num_tokens, len(spec.block_ids)).pack()
             sent, total = 0, len(self._layer_names)
             while sent < total:
-                # Every layer already saved goes in one transfer: while the forward outruns the
-                # link, layers queue up, and one transfer pipelines their chunks (compress the
-                # next while one is on the wire) where one transfer per layer would pay compress,
-                # wire, decode and an ack in series for each.
-                ready = [out.q.get(timeout=self._cfg.load_timeout_s)]
-                while len(ready) < total - sent and not out.q.empty() and ready[-1] is not _END:
-                    ready.append(out.q.get_nowait())
-                if ready[-1] is _END:
-                    raise RuntimeError(f"only {sent + len(ready) - 1} of {total} layers were saved")
-                if self._cfg.test_layer_delay_s:
-                    time.sleep(self._cfg.test_layer_delay_s)
+                layers = self._next_layers(out, sent, total)
                 ts = time.perf_counter()
-                st = ep.send_tensors({str(idx): blocks for idx, blocks in ready})
+                if ep is None:
+                    ep, st = self._begin(transport, hello, layers)
+                else:
+                    st = ep.send_tensors(layers)
                 active += time.perf_counter() - ts
                 raw += st.raw_bytes
                 wire += st.wire_bytes
-                sent += len(ready)
-            ep.close()
+                sent += len(layers)
+            self._links.put(transport.compression, ep)  # for the next transfer; no longer ours to abort
+            ep = None
             t1 = time.time()
             stats.note(spec.xfer_id, t_send_start=t0, t_send_done=t1, send_active_s=active, raw_bytes=raw,
                        wire_bytes=wire, compression=transport.compression)
@@ -578,9 +607,74 @@ class UzipConnector(KVConnectorBase_V1):
         except Exception as e:  # noqa: BLE001 - the decode side applies its load-failure policy
             logger.warning("UzipConnector: sending KV of %s failed: %s", spec.req_id, e)
             if ep is not None:
-                ep.abort()
+                ep.abort()  # the decode side sees the transfer cut short and drops it
             stats.note(spec.xfer_id, t_send_start=t0, error=str(e)[:300])
             stats.add(sends_failed=1)
+
+    def _next_layers(self, out: _Outgoing, sent: int, total: int) -> dict[str, torch.Tensor]:
+        """Every layer saved by now, waiting for the first: while the forward outruns the link,
+        layers queue up, and one transfer pipelines their chunks (compress the next while one is
+        on the wire) where one transfer per layer would pay compress, wire, decode and an ack in
+        series for each."""
+        ready = [out.q.get(timeout=self._cfg.load_timeout_s)]
+        while len(ready) < total - sent and not out.q.empty() and ready[-1] is not _END:
+            ready.append(out.q.get_nowait())
+        if ready[-1] is _END:
+            raise RuntimeError(f"only {sent + len(ready) - 1} of {total} layers were saved")
+        if self._cfg.test_layer_delay_s:
+            time.sleep(self._cfg.test_layer_delay_s)
+        return {str(idx): blocks for idx, blocks in ready}
+
+    def _begin(self, transport, hello: bytes, layers: dict[str, torch.Tensor]):
+        """Starts a transfer: its hello and first layers, on a kept-open connection when there is
+        one. A kept connection that turns out broken (the decode instance restarted, the link
+        dropped) is replaced once: nothing of this transfer was accepted on it (the decode side
+        drops a transfer cut short), so it starts again on a new connection. Any error there is
+        the transfer's. Returns the connection and the first send's stats."""
+        from uzip_serve.p2p import TransferError
+
+        ep = self._links.take(transport.compression)
+        if ep is not None and not ep.alive:  # UCX saw the peer go while the connection was idle
+            ep.abort()
+            ep = None
+            self._stats.add(reconnects=1)
+        if ep is not None:
+            try:
+                ep.send_bytes(hello)
+                return ep, ep.send_tensors(layers)
+            except TransferError as e:
+                ep.abort()
+                logger.info("UzipConnector: a kept connection to the decode peer broke (%s); reconnecting", e)
+                self._stats.add(reconnects=1)
+            except BaseException:
+                ep.abort()
+                raise
+        ep = self._connect(transport)
+        try:
+            ep.send_bytes(hello)
+            return ep, ep.send_tensors(layers)
+        except BaseException:
+            ep.abort()
+            raise
+
+    def _connect(self, transport):
+        """A new connection for transfers: connect, then the session hello, answered (the
+        decode side checks the layout once per connection, and every transfer's hello again)."""
+        from uzip_serve import p2p
+
+        host, port = self._cfg.peer_host_port
+        ep = p2p.connect_sync(host, port + self._tp_rank, transport)
+        try:
+            ep.send_bytes(self._hello(KIND_SESSION).pack())
+            reason = unpack_reply(ep.recv_bytes(4096))
+        except BaseException:
+            ep.abort()
+            raise
+        if reason:
+            ep.abort()
+            raise RuntimeError(f"decode refused: {reason}")
+        self._stats.add(connects=1)
+        return ep
 
     # ==== worker side: consumer ================================================================
 
@@ -604,14 +698,17 @@ class UzipConnector(KVConnectorBase_V1):
             threading.Thread(target=self._serve, args=(ep,), name="uzip-kv-recv", daemon=True).start()
 
     def _serve(self, ep) -> None:
-        entry: _Incoming | None = None
+        """One connection from a prefill worker, on its own thread. The first hello (probe or
+        session) is checked and answered; a session then carries transfers one after another
+        until the prefill side closes it. Any error ends the connection (aborted): the transfer
+        in progress fails, and the prefill side opens a new connection for its next one."""
+        from uzip_serve.p2p import PeerError
+
         try:
             hello = Hello.unpack(ep.recv_bytes(HELLO.size))
             reason = self._check_hello(hello)
             if reason is None and hello.kind == KIND_TRANSFER:
-                expect = math.ceil(hello.num_tokens / self._block_size) if hello.num_tokens else 0
-                if hello.num_blocks != expect or hello.num_tokens == 0:
-                    reason = f"{hello.num_blocks} blocks for {hello.num_tokens} tokens"
+                reason = "a transfer hello before a session hello"
             ep.send_bytes(pack_reply(reason))
             if reason is not None:
                 logger.warning("UzipConnector: refused a prefill peer: %s", reason)
@@ -621,9 +718,37 @@ class UzipConnector(KVConnectorBase_V1):
             if hello.kind == KIND_PROBE:
                 ep.close()
                 return
-            entry = _Incoming(hello, time.time())
-            with self._incoming_lock:
-                self._incoming[hello.xfer_id] = entry
+            self._stats.add(sessions=1)
+            self._sessions.add(ep)
+            while not self._closed:
+                try:
+                    data = ep.recv_bytes(HELLO.size, idle=True)
+                except PeerError:
+                    return  # closed by the prefill side (or it died) between transfers: nothing lost
+                self._receive(ep, Hello.unpack(data))
+        except Exception as e:  # noqa: BLE001 - PeerError, TransferTimeout, ChecksumError, ProtocolError, ...
+            logger.warning("UzipConnector: KV connection from a prefill worker failed: %s: %s", type(e).__name__, e)
+            ep.abort()
+        finally:
+            self._sessions.discard(ep)
+
+    def _receive(self, ep, hello: Hello) -> None:
+        """One transfer of a session: its hello is checked as a session's is, plus its own fields,
+        then its layers arrive into a new store entry, each checked (name = the next layer index,
+        shape, dtype). Raises on anything wrong, with the entry marked failed."""
+        reason = self._check_hello(hello)
+        if reason is None and hello.kind != KIND_TRANSFER:
+            reason = f"hello kind {hello.kind} inside a session"
+        expect = math.ceil(hello.num_tokens / self._block_size) if hello.num_tokens else 0
+        if reason is None and (hello.num_blocks != expect or hello.num_tokens == 0):
+            reason = f"{hello.num_blocks} blocks for {hello.num_tokens} tokens"
+        if reason is not None:
+            self._stats.add(refused=1)
+            raise ValueError(f"refused a transfer: {reason}")
+        entry = _Incoming(hello, time.time())
+        with self._incoming_lock:
+            self._incoming[hello.xfer_id] = entry
+        try:
             want_shape = (hello.num_blocks, *self._page_shape)
             i = 0
             while i < hello.num_layers:  # one transfer carries the next one or more layers, in order
@@ -640,19 +765,13 @@ class UzipConnector(KVConnectorBase_V1):
                 if st is not None:
                     entry.raw_bytes += st.raw_bytes
                     entry.wire_bytes += st.wire_bytes
-            entry.t_done = time.time()
-            entry.done = True
+        except Exception as e:
+            entry.error = f"{type(e).__name__}: {e}"
             self._arrived.set()
-            ep.close()
-        except Exception as e:  # noqa: BLE001 - PeerError, TransferTimeout, ChecksumError, ProtocolError, ...
-            if entry is not None:
-                entry.error = f"{type(e).__name__}: {e}"
-                self._arrived.set()
-            logger.warning("UzipConnector: receiving KV failed: %s: %s", type(e).__name__, e)
-            try:
-                ep.abort()
-            except Exception:  # noqa: BLE001
-                pass
+            raise
+        entry.t_done = time.time()
+        entry.done = True
+        self._arrived.set()
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         """Registers this step's new loads; they complete in get_transfer_results."""
@@ -748,9 +867,13 @@ class UzipConnector(KVConnectorBase_V1):
                     self._stats.add(unclaimed_dropped=1)
 
     def shutdown(self):
+        """Closes the listener, the kept-open connections (both sides) and the sender threads."""
         self._closed = True
         if self._listener is not None:
             self._listener.close()
+        self._links.close()
+        for ep in list(self._sessions):
+            ep.abort()
         if self._sender is not None:
             self._sender.shutdown(wait=False, cancel_futures=True)
         if self._stats is not None:
