@@ -50,23 +50,11 @@ def wide_smem(groups: int) -> int:
     return 4 * (WIDE_TAB_WORDS + groups * WIDE_GROUP_WORDS)
 
 
-# Which decoder: "wide" (uz_dec_wide: every thread decodes a sub-stream; the default) or "fast"
-# (uz_dec_fast, round 3's: one CUDA block of 512 threads per codec block, kept one round for
-# side-by-side benchmarks). uz_dec_wide comes in two builds: single-symbol lookups while the
-# frame fits in one wave (8 codec blocks per SM, ~132 MiB of bf16 on an H200), where each
-# thread's time is the frame's time, and pair lookups above it, where LUT loads bound
-# throughput ("wide-single" / "wide-pair" force one; docs/gpu.md, round 4).
+# Which decoder: "wide" (uz_dec_wide: every thread decodes a sub-stream; the default),
+# "wide-pair" (its pair-lookup build at every size) or "fast" (uz_dec_fast, round 3's: one
+# CUDA block of 512 threads per codec block, kept one round for side-by-side benchmarks).
+# See _decoder_launch for how "wide" picks; docs/gpu.md, round 4.
 DECODER = os.environ.get("UZIP_GPU_DECODER", "wide")
-_SMS: dict = {}
-
-
-def _sm_count(dev) -> int:
-    n = _SMS.get(dev.index)
-    if n is None:
-        import torch
-
-        n = _SMS[dev.index] = torch.cuda.get_device_properties(dev).multi_processor_count
-    return n
 NO_ERROR = (1 << 64) - 1
 
 _ERRORS = {
@@ -315,7 +303,7 @@ class CudaCodec:
         st = _stream(stream)
         nb = header.num_blocks
         nplanes = dt.itemsize if dt.layout == fmt.LAYOUT_BYTES else (2 if dt.layout == fmt.LAYOUT_BF16 else 4)
-        slots = min(nb, 132 * 2)
+        slots = min(nb, 2 * _sm_count(dev))
         slot_bytes = ((nplanes + 1) * header.block_elems + 15) // 16 * 16
         # one scratch allocation: u64 offsets, u32 queue count (set to 0 by uz_scan), u32 queue,
         # then uz_dec_slow's slots (16-byte aligned)
@@ -333,18 +321,13 @@ class CudaCodec:
         common = (_u64(fp), _u64(header.payload_offset), _u64(payload_len), _u64(header.table_offset),
                   _u64(op), _u64(header.numel), _u32(header.block_elems),
                   _u32(header.substream_elems), _u64(out.data_ptr()), _u64(ep))
-        # fp32 (4 planes) spills in uz_dec_wide; above 4 codec blocks per SM round 3's decoder
-        # was measured faster for it (docs/gpu.md, round 4)
-        if DECODER == "fast" or (DECODER == "wide" and nplanes > 2 and nb > 4 * _sm_count(dev)):
-            _launch(dev, f"uz_dec_fast_{sfx}", nb, TPB, common + (_u64(lp), _u64(cp_)), st, SMEM_DEC)
-        else:
-            # one wave when it fits: up to 8 codec blocks per CUDA block, one CUDA block per SM
-            sms = _sm_count(dev)
-            groups = max(1, min(WIDE_MAX_GROUPS, -(-nb // sms)))
-            pair = DECODER == "wide-pair" or (DECODER == "wide" and nb > WIDE_MAX_GROUPS * sms)
-            wide = common[:8] + (_u32(nb),) + common[8:]
-            _launch(dev, f"uz_dec_wide{'p' if pair else ''}_{sfx}", -(-nb // groups), 128 * groups,
-                    wide + (_u64(lp), _u64(cp_)), st, wide_smem(groups), wide_smem(WIDE_MAX_GROUPS))
+        name, grid, block, smem = _decoder_launch(nb, nplanes, _sm_count(dev))
+        if name == "uz_dec_fast":
+            args = common + (_u64(lp), _u64(cp_))
+        else:  # uz_dec_wide also takes the block count
+            args = common[:8] + (_u32(nb),) + common[8:] + (_u64(lp), _u64(cp_))
+        _launch(dev, f"{name}_{sfx}", grid, block, args, st, smem,
+                wide_smem(WIDE_MAX_GROUPS) if name != "uz_dec_fast" else 0)
         _launch(dev, f"uz_dec_slow_{sfx}", slots, TPB, common + (_u64(lp), _u64(cp_), _u64(sp), _u64(slot_bytes)), st,
                 CRC_SMEM)
         if stream is not None:
@@ -354,6 +337,32 @@ class CudaCodec:
             return out, err
         raise_on_error(err)
         return out
+
+
+_SMS: dict = {}
+
+
+def _sm_count(dev) -> int:
+    n = _SMS.get(dev.index)
+    if n is None:
+        import torch
+
+        n = _SMS[dev.index] = torch.cuda.get_device_properties(dev).multi_processor_count
+    return n
+
+
+def _decoder_launch(nb: int, nplanes: int, sms: int) -> tuple[str, int, int, int]:
+    """(kernel, grid, threads per CUDA block, dynamic shared memory) for a frame of nb codec
+    blocks. uz_dec_wide runs in one wave when it fits: ceil(nb / SMs) groups of 128 threads
+    (up to 8) per CUDA block, one CUDA block per SM. Its single-symbol build serves frames of
+    up to one wave, where one thread's time is the frame's time; above that LUT loads bound
+    throughput and the pair build, with half of them, is faster. fp32 (4 planes) spills in
+    uz_dec_wide: above 4 codec blocks per SM round 3's uz_dec_fast was measured faster for it."""
+    if DECODER == "fast" or (DECODER == "wide" and nplanes > 2 and nb > 4 * sms):
+        return "uz_dec_fast", nb, TPB, SMEM_DEC
+    groups = max(1, min(WIDE_MAX_GROUPS, -(-nb // sms)))
+    pair = DECODER == "wide-pair" or nb > WIDE_MAX_GROUPS * sms
+    return ("uz_dec_widep" if pair else "uz_dec_wide"), -(-nb // groups), 128 * groups, wide_smem(groups)
 
 
 def error_message(word: int) -> str | None:
