@@ -640,19 +640,19 @@ class UzipConnector(KVConnectorBase_V1):
             self._stats.add(reconnects=1)
         if ep is not None:
             try:
-                ep.send_bytes(hello)
-                return ep, ep.send_tensors(layers)
+                return ep, self._start(ep, hello, layers)
             except TransferError as e:
-                ep.abort()
                 logger.info("UzipConnector: a kept connection to the decode peer broke (%s); reconnecting", e)
                 self._stats.add(reconnects=1)
-            except BaseException:
-                ep.abort()
-                raise
         ep = self._connect(transport)
+        return ep, self._start(ep, hello, layers)
+
+    @staticmethod
+    def _start(ep, hello: bytes, layers: dict[str, torch.Tensor]):
+        """A transfer's hello and first layers on ep; ep is aborted if that fails."""
         try:
             ep.send_bytes(hello)
-            return ep, ep.send_tensors(layers)
+            return ep.send_tensors(layers)
         except BaseException:
             ep.abort()
             raise
