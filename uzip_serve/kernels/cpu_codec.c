@@ -32,6 +32,16 @@ enum { PLANE_RAW = 0, PLANE_CONST = 1, PLANE_HUFF = 2 };
 #define TABLE_ENTRY_BYTES 12 /* u32 payload bytes, u32 crc32c(original), u32 crc32c(payload) */
 #define MAX_BLOCK_ELEMS 65536u
 
+/* The per-block encoder and decoder are built twice, for x86-64-v3 (AVX2, BMI2: shifts by
+ * a register without the flag-merging uops of `shl %cl`) and for the baseline, and the
+ * loader picks one when the module loads. flatten pulls every helper into each copy, so the
+ * Huffman loops themselves get the wider instructions. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11 && !defined(UZIP_NO_CLONES)
+#define HOT_PATH __attribute__((target_clones("arch=x86-64-v3", "default"), flatten))
+#else
+#define HOT_PATH
+#endif
+
 /* ---- little-endian loads and stores (the format is little-endian everywhere) ---- */
 static inline uint64_t load64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
 static inline void store64(uint8_t *p, uint64_t v) { memcpy(p, &v, 8); }
@@ -142,9 +152,12 @@ static uint32_t crc32c(uint32_t crc, const uint8_t *p, size_t n) { return crc32c
 #endif
 
 /* ---- element <-> plane transforms (docs/format.md, "Layouts") ---- */
-/* Byte histogram; four tables so repeated symbols do not serialize on one counter. */
+/* Byte histogram. Exponent planes repeat a handful of symbols, so consecutive increments
+ * of one counter would serialize on store-to-load forwarding; eight tables (one per byte
+ * of a 64-bit load) keep the same counter eight increments apart. Counts per table stay
+ * below 2^16 for a block, which halves the tables' cache footprint. */
 static void hist_of(const uint8_t *s, size_t n, uint32_t *h) {
-    uint32_t a[4][256];
+    uint16_t a[8][256];
     memset(a, 0, sizeof(a));
     size_t i = 0;
     for (; i + 8 <= n; i += 8) {
@@ -153,13 +166,14 @@ static void hist_of(const uint8_t *s, size_t n, uint32_t *h) {
         a[1][(v >> 8) & 0xFF]++;
         a[2][(v >> 16) & 0xFF]++;
         a[3][(v >> 24) & 0xFF]++;
-        a[0][(v >> 32) & 0xFF]++;
-        a[1][(v >> 40) & 0xFF]++;
-        a[2][(v >> 48) & 0xFF]++;
-        a[3][v >> 56]++;
+        a[4][(v >> 32) & 0xFF]++;
+        a[5][(v >> 40) & 0xFF]++;
+        a[6][(v >> 48) & 0xFF]++;
+        a[7][v >> 56]++;
     }
-    for (; i < n; i++) a[0][s[i]]++;
-    for (int j = 0; j < 256; j++) h[j] = a[0][j] + a[1][j] + a[2][j] + a[3][j];
+    for (int j = 0; j < 256; j++)
+        h[j] = (uint32_t)a[0][j] + a[1][j] + a[2][j] + a[3][j] + a[4][j] + a[5][j] + a[6][j] + a[7][j];
+    for (; i < n; i++) h[s[i]]++;
 }
 
 static int num_planes(int layout, int itemsize) {
@@ -321,70 +335,111 @@ static int assign_codes(const uint8_t *len, uint16_t *code) {
     return 0;
 }
 
-/* Decode table over the next MAX_CODE_LEN bits of a stream. Each entry yields one or,
- * when a second whole code fits in the window, two symbols, halving the serial chain
- * of table lookups that bounds Huffman decoding:
- *   bits 0-7 first symbol, 8-15 second symbol, 16-19 first code's length,
- *   20-24 bits consumed, 25-26 symbols yielded, 27 "no code starts here".
- * Invalid entries still yield one (garbage) symbol so every loop makes progress; the
- * flag turns the stream into an error. */
-#define LUT_SYM1(e) ((uint8_t)(e))
-#define LUT_LEN1(e) (((e) >> 16) & 0xF)
-#define LUT_BITS(e) (((e) >> 20) & 0x1F)
-#define LUT_NSYM(e) (((e) >> 25) & 0x3)
-#define LUT_BAD(e) ((e) >> 27)
+/* Decode table over the next MAX_CODE_LEN bits of a stream. Each entry yields every
+ * whole code, up to three, that fits in the window; exponent codes average 2-3 bits, so
+ * most lookups yield three symbols and the serial chain of lookups that bounds Huffman
+ * decoding gets that much shorter:
+ *   bits 0-23 up to three symbols, 24 "no code starts here", 25-26 symbols yielded,
+ *   27-31 bits consumed.
+ * Invalid entries yield one (garbage) symbol and consume nothing, so every loop makes
+ * progress; the flag turns the stream into an error. The single-symbol decoder at a
+ * stream's end reads the first code's length from a byte table beside it. */
+typedef struct {
+    uint32_t e[LUT_SIZE];
+    uint8_t len1[LUT_SIZE];
+} lut_t;
 
-static int build_lut(const uint8_t *len, uint32_t *lut) {
-    uint16_t code[256];
+#define LUT_BAD_BIT (1u << 24)
+#define LUT_NSYM(e) (((e) >> 25) & 0x3)
+#define LUT_BITS(e) ((e) >> 27)
+
+static int build_lut(const uint8_t *len, lut_t *lut) {
+    uint16_t code[256], single[LUT_SIZE]; /* symbol | length << 8; length 0: no code */
     if (assign_codes(len, code) < 0) return -1;
-    for (uint32_t j = 0; j < LUT_SIZE; j++) lut[j] = (1u << 25) | (1u << 27);
-    for (int s = 0; s < 256; s++) {
-        if (!len[s]) continue;
-        uint32_t e = (uint32_t)s | ((uint32_t)len[s] << 16) | ((uint32_t)len[s] << 20) | (1u << 25);
-        for (uint32_t j = code[s]; j < LUT_SIZE; j += 1u << len[s]) lut[j] = e;
-    }
+    memset(single, 0, sizeof(single));
+    for (int s = 0; s < 256; s++)
+        if (len[s])
+            for (uint32_t j = code[s]; j < LUT_SIZE; j += 1u << len[s]) single[j] = (uint16_t)(s | len[s] << 8);
     for (uint32_t j = 0; j < LUT_SIZE; j++) {
-        uint32_t e = lut[j];
-        if (LUT_BAD(e)) continue;
-        uint32_t l1 = LUT_LEN1(e), e2 = lut[j >> l1];
-        if (!LUT_BAD(e2) && LUT_LEN1(e2) + l1 <= MAX_CODE_LEN)
-            lut[j] = (e & 0xFFFFu) | ((uint32_t)LUT_SYM1(e2) << 8) | (l1 << 16) | ((l1 + LUT_LEN1(e2)) << 20) |
-                     (2u << 25);
+        uint32_t e = single[j] & 0xFF, used = single[j] >> 8, n = 1;
+        lut->len1[j] = (uint8_t)used;
+        if (!used) {
+            lut->e[j] = LUT_BAD_BIT | (1u << 25);
+            continue;
+        }
+        for (; n < 3; n++) { /* codes of length <= 11 - used are decided by the bits left */
+            uint32_t next = single[j >> used], l = next >> 8;
+            if (!l || used + l > MAX_CODE_LEN) break;
+            e |= (next & 0xFFu) << (8 * n);
+            used += l;
+        }
+        lut->e[j] = e | (n << 25) | (used << 27);
     }
     return 0;
 }
 
 /* ---- bit streams ---- */
 
-/* Encodes count symbols LSB-first; needs 8 bytes of slack after the output. */
-static size_t encode_stream(const uint8_t *s, size_t count, const uint16_t *code, const uint8_t *len,
-                            uint8_t *out) {
+/* Encoder table over symbol pairs, indexed by the two bytes as they sit in memory
+ * (a | b << 8): both codes joined, a's first, and their total length in bits 27-31. Only
+ * pairs of used symbols are written; stale entries of an earlier block are never read
+ * because only used symbols occur. Worth it while used^2 stores are few against the
+ * lookups it saves (n / 2): exponent planes use 20-40 symbols, mantissa bytes all 256. */
+#define PAIR_ENTRIES (1u << 16)
+
+static int build_pairs(const uint8_t *len, const uint16_t *code, size_t n, uint32_t *pairs) {
+    uint8_t used[256];
+    int k = 0;
+    for (int s = 0; s < 256; s++)
+        if (len[s]) used[k++] = (uint8_t)s;
+    if ((size_t)k * (size_t)k > n / 8) return 0;
+    for (int i = 0; i < k; i++)
+        for (int m = 0; m < k; m++) {
+            int a = used[i], b = used[m];
+            pairs[a | b << 8] = (uint32_t)code[a] | (uint32_t)code[b] << len[a] | (uint32_t)(len[a] + len[b]) << 27;
+        }
+    return 1;
+}
+
+/* Appends one code to a bit buffer that flushes whole bytes. */
+#define PUT_BITS(P, BUF, NBITS, CODE, LEN) \
+    do {                                    \
+        (BUF) |= (uint64_t)(CODE) << (NBITS); \
+        (NBITS) += (LEN);                   \
+        store64((P), (BUF));                \
+        (P) += (NBITS) >> 3;                \
+        (BUF) >>= (NBITS) & ~7u;            \
+        (NBITS) &= 7;                       \
+    } while (0)
+
+/* Encodes count symbols LSB-first; needs 8 bytes of slack after the output. Four codes
+ * (<= 44 bits, beside <= 7 pending) are joined among themselves first, through the pair
+ * table when there is one, so the serial chain (position, pending bits) advances once per
+ * four symbols. */
+static size_t encode_stream(const uint8_t *s, size_t count, const uint32_t *pairs, const uint16_t *code,
+                            const uint8_t *len, uint8_t *out) {
     uint8_t *p = out;
     uint64_t buf = 0;
     unsigned nbits = 0;
     size_t i = 0;
-    for (; i + 4 <= count; i += 4) { /* 4 codes of <= 11 bits fit beside <= 7 pending bits */
-        buf |= (uint64_t)code[s[i]] << nbits;
-        nbits += len[s[i]];
-        buf |= (uint64_t)code[s[i + 1]] << nbits;
-        nbits += len[s[i + 1]];
-        buf |= (uint64_t)code[s[i + 2]] << nbits;
-        nbits += len[s[i + 2]];
-        buf |= (uint64_t)code[s[i + 3]] << nbits;
-        nbits += len[s[i + 3]];
-        store64(p, buf);
-        p += nbits >> 3;
-        buf >>= nbits & ~7u;
-        nbits &= 7;
+    if (pairs) {
+        for (; i + 4 <= count; i += 4) {
+            uint32_t s4 = load32(s + i);
+            uint32_t e0 = pairs[s4 & 0xFFFF], e1 = pairs[s4 >> 16];
+            unsigned l0 = e0 >> 27;
+            PUT_BITS(p, buf, nbits, (e0 & 0x7FFFFFFu) | (uint64_t)(e1 & 0x7FFFFFFu) << l0, l0 + (e1 >> 27));
+        }
+    } else {
+        for (; i + 4 <= count; i += 4) {
+            uint32_t s4 = load32(s + i);
+            unsigned a = s4 & 0xFF, b = (s4 >> 8) & 0xFF, c = (s4 >> 16) & 0xFF, d = s4 >> 24;
+            unsigned la = len[a], lab = la + len[b], lc = len[c];
+            uint64_t ab = (uint64_t)code[a] | ((uint64_t)code[b] << la);
+            uint64_t cd = (uint64_t)code[c] | ((uint64_t)code[d] << lc);
+            PUT_BITS(p, buf, nbits, ab | (cd << lab), lab + lc + len[d]);
+        }
     }
-    for (; i < count; i++) {
-        buf |= (uint64_t)code[s[i]] << nbits;
-        nbits += len[s[i]];
-        store64(p, buf);
-        p += nbits >> 3;
-        buf >>= nbits & ~7u;
-        nbits &= 7;
-    }
+    for (; i < count; i++) PUT_BITS(p, buf, nbits, code[s[i]], len[s[i]]);
     if (nbits) {
         store64(p, buf);
         p++;
@@ -402,27 +457,28 @@ typedef struct {
 
 /* Bounds-checked decoder: finishes a stream from bit `pos`, symbol `i`, one symbol per
  * lookup. Returns 0 if it ends exactly at its declared length with valid codes. */
-static int decode_stream_tail(const stream_t *st, size_t pos, size_t i, const uint32_t *lut,
+static int decode_stream_tail(const stream_t *st, size_t pos, size_t i, const lut_t *lut,
                               const uint8_t *buf_end) {
     unsigned bad = 0;
     for (; i < st->count; i++) {
         const uint8_t *p = st->data + (pos >> 3);
         uint64_t v = (p + 8 <= buf_end) ? load64(p) : load64_tail(p, buf_end);
-        uint32_t e = lut[(v >> (pos & 7)) & (LUT_SIZE - 1)];
-        st->out[i] = LUT_SYM1(e);
-        bad |= LUT_BAD(e);
-        pos += LUT_LEN1(e);
+        uint32_t k = (v >> (pos & 7)) & (LUT_SIZE - 1);
+        st->out[i] = (uint8_t)lut->e[k];
+        bad |= !lut->len1[k];
+        pos += lut->len1[k];
     }
     return (bad || (pos + 7) >> 3 != st->nbytes) ? -1 : 0;
 }
 
-/* One table lookup: stores two symbols (the second may be scratch), keeps what is real. */
+/* One table lookup: stores four bytes (up to three symbols, the rest is overwritten
+ * later), keeps what is real. The flag bits of all entries are OR-ed and checked once. */
 #define DEC1(POS, V, OUT)                      \
     do {                                        \
         uint32_t e_ = lut[(V) & (LUT_SIZE - 1)]; \
-        store16((OUT), (uint16_t)e_);            \
+        store32((OUT), e_);                      \
         (OUT) += LUT_NSYM(e_);                   \
-        bad |= LUT_BAD(e_);                      \
+        flags |= e_;                             \
         (V) >>= LUT_BITS(e_);                    \
         (POS) += LUT_BITS(e_);                   \
     } while (0)
@@ -437,30 +493,46 @@ static int decode_stream_tail(const stream_t *st, size_t pos, size_t i, const ui
         DEC1(POS, v_, OUT);                                       \
     } while (0)
 
+/* A DEC4 round yields at most 12 symbols per stream, and its last store reaches one byte
+ * further: a stream no closer than DEC4_MARGIN to its end can take another round without
+ * writing into the next stream's output. */
+#define DEC4_MAX_SYMS 12
+#define DEC4_MARGIN 13
+
 /* Decodes four streams together: their dependency chains interleave, which is where
  * single-stream Huffman decoding loses most of its time. The caller guarantees that
  * reading count * MAX_CODE_LEN bits plus 8 bytes from each start stays in the buffer;
  * the outputs need 8 bytes of slack. */
-static int decode_4streams(const stream_t *st, const uint32_t *lut, const uint8_t *buf_end) {
+static int decode_4streams(const stream_t *st, const lut_t *table, const uint8_t *buf_end) {
+    const uint32_t *lut = table->e;
     const uint8_t *p0 = st[0].data, *p1 = st[1].data, *p2 = st[2].data, *p3 = st[3].data;
     uint8_t *o0 = st[0].out, *o1 = st[1].out, *o2 = st[2].out, *o3 = st[3].out;
     size_t q0 = 0, q1 = 0, q2 = 0, q3 = 0;
-    unsigned bad = 0;
-    /* Each round yields at most 8 symbols per stream. */
-    uint8_t *e0 = st[0].out + st[0].count - 8, *e1 = st[1].out + st[1].count - 8;
-    uint8_t *e2 = st[2].out + st[2].count - 8, *e3 = st[3].out + st[3].count - 8;
-    if (st[0].count >= 8)
+    uint32_t flags = 0;
+    size_t count = st[0].count; /* all four are full streams */
+    if (count > DEC4_MARGIN) {
+        /* Rounds that are safe whatever the streams yield, counted up front: the loop then
+         * carries no per-stream end checks, which would not fit in registers beside it. */
+        for (size_t r = (count - DEC4_MARGIN) / DEC4_MAX_SYMS + 1; r; r--) {
+            DEC4(p0, q0, o0);
+            DEC4(p1, q1, o1);
+            DEC4(p2, q2, o2);
+            DEC4(p3, q3, o3);
+        }
+        uint8_t *e0 = st[0].out + count - DEC4_MARGIN, *e1 = st[1].out + count - DEC4_MARGIN;
+        uint8_t *e2 = st[2].out + count - DEC4_MARGIN, *e3 = st[3].out + count - DEC4_MARGIN;
         while (o0 <= e0 && o1 <= e1 && o2 <= e2 && o3 <= e3) {
             DEC4(p0, q0, o0);
             DEC4(p1, q1, o1);
             DEC4(p2, q2, o2);
             DEC4(p3, q3, o3);
         }
-    if (bad) return -1;
-    return decode_stream_tail(&st[0], q0, (size_t)(o0 - st[0].out), lut, buf_end) |
-           decode_stream_tail(&st[1], q1, (size_t)(o1 - st[1].out), lut, buf_end) |
-           decode_stream_tail(&st[2], q2, (size_t)(o2 - st[2].out), lut, buf_end) |
-           decode_stream_tail(&st[3], q3, (size_t)(o3 - st[3].out), lut, buf_end);
+    }
+    if (flags & LUT_BAD_BIT) return -1;
+    return decode_stream_tail(&st[0], q0, (size_t)(o0 - st[0].out), table, buf_end) |
+           decode_stream_tail(&st[1], q1, (size_t)(o1 - st[1].out), table, buf_end) |
+           decode_stream_tail(&st[2], q2, (size_t)(o2 - st[2].out), table, buf_end) |
+           decode_stream_tail(&st[3], q3, (size_t)(o3 - st[3].out), table, buf_end);
 }
 
 /* ---- planes ---- */
@@ -468,7 +540,8 @@ static int decode_4streams(const stream_t *st, const uint32_t *lut, const uint8_
 /* Encodes one plane of n symbols (docs/format.md, "Plane"). hist is its exact
  * histogram, or NULL to store it raw without looking. Returns the bytes written;
  * out needs 2*n + 1024 bytes. */
-static size_t encode_plane(const uint8_t *syms, size_t n, const uint32_t *hist, size_t substream, uint8_t *out) {
+static size_t encode_plane(const uint8_t *syms, size_t n, const uint32_t *hist, size_t substream, uint32_t *pairs,
+                           uint8_t *out) {
     if (n == 0 || hist == NULL) goto raw;
     int used = 0, lo = 255, hi = 0;
     for (int s = 0; s < 256; s++)
@@ -493,6 +566,7 @@ static size_t encode_plane(const uint8_t *syms, size_t n, const uint32_t *hist, 
 
     uint16_t code[256];
     assign_codes(len, code);
+    if (!build_pairs(len, code, n, pairs)) pairs = NULL;
     out[0] = PLANE_HUFF;
     out[1] = (uint8_t)lo;
     out[2] = (uint8_t)(hi - lo);
@@ -501,7 +575,7 @@ static size_t encode_plane(const uint8_t *syms, size_t n, const uint32_t *hist, 
     uint8_t *ends = q, *data = q + 2 * k, *p = data;
     for (size_t j = 0; j < k; j++) {
         size_t c = (j + 1 < k) ? substream : n - j * substream;
-        p += encode_stream(syms + j * substream, c, code, len, p);
+        p += encode_stream(syms + j * substream, c, pairs, code, len, p);
         if ((size_t)(p - data) > 0xFFFF) goto raw; /* cannot happen given the estimate; stay safe */
         store16(ends + 2 * j, (uint16_t)(p - data));
     }
@@ -516,7 +590,7 @@ raw:
  * moves past the plane and *syms points at the decoded symbols: into the frame itself
  * for a raw plane, else into scratch (n + 8 bytes). Returns NULL or an error text. */
 static const char *decode_plane(const uint8_t **pp, const uint8_t *end, const uint8_t *buf_end, size_t n,
-                                size_t substream, uint8_t *scratch, uint32_t *lut, const uint8_t **syms) {
+                                size_t substream, uint8_t *scratch, lut_t *lut, const uint8_t **syms) {
     const uint8_t *p = *pp;
     if (p >= end) return "plane header runs past the block";
     int mode = *p++;
@@ -605,7 +679,8 @@ typedef struct {
     uint8_t *mask;               /* block_elems / 8 */
     uint8_t *enc[2];             /* two candidate encodings of a block */
     uint8_t *compact;            /* decoder: merged nonzero elements */
-    uint32_t lut[LUT_SIZE];
+    lut_t lut;                   /* decoder table */
+    uint32_t *pairs;             /* encoder pair table, PAIR_ENTRIES */
     size_t enc_cap;
     void *mem;
 } scratch_t;
@@ -614,10 +689,13 @@ static int scratch_alloc(scratch_t *s, const params_t *pr) {
     size_t be = pr->block_elems, P = (size_t)pr->nplanes;
     size_t plane = be + 64;
     s->enc_cap = 2 * be * (size_t)pr->itemsize + 4096 + P * 1024;
-    size_t total = 2 * P * plane + (be / 8 + 64) + 2 * s->enc_cap + be * (size_t)pr->itemsize + 64;
+    size_t total = PAIR_ENTRIES * sizeof(uint32_t) + 2 * P * plane + (be / 8 + 64) + 2 * s->enc_cap +
+                   be * (size_t)pr->itemsize + 64;
     uint8_t *m = malloc(total);
     if (!m) return -1;
     s->mem = m;
+    s->pairs = (uint32_t *)m; /* malloc's alignment; decoders never touch its pages */
+    m += PAIR_ENTRIES * sizeof(uint32_t);
     for (size_t i = 0; i < P; i++, m += plane) s->planes[i] = m;
     for (size_t i = 0; i < P; i++, m += plane) s->sparse[i] = m;
     s->mask = m;
@@ -648,7 +726,7 @@ static int plane_worth_coding(const uint8_t *s, size_t n) {
 
 /* Encodes the planes of n elements (already split into planes[]); hist0 is plane 0's
  * full histogram. Returns bytes written to out. */
-static size_t encode_planes(const params_t *pr, uint8_t *const *planes, size_t n, const uint32_t *hist0,
+static size_t encode_planes(const params_t *pr, uint8_t *const *planes, size_t n, const uint32_t *hist0, uint32_t *pairs,
                             uint8_t *out) {
     size_t off = 0;
     for (int j = 0; j < pr->nplanes; j++) {
@@ -663,13 +741,13 @@ static size_t encode_planes(const params_t *pr, uint8_t *const *planes, size_t n
             hist_of(planes[j], n, h);
             hp = h;
         }
-        off += encode_plane(planes[j], n, hp, pr->substream, out + off);
+        off += encode_plane(planes[j], n, hp, pr->substream, pairs, out + off);
     }
     return off;
 }
 
 /* Encodes one block into s->enc[...] and returns a pointer to the chosen encoding. */
-static const uint8_t *encode_block(const params_t *pr, scratch_t *s, const uint8_t *src, size_t n, size_t *size) {
+HOT_PATH static const uint8_t *encode_block(const params_t *pr, scratch_t *s, const uint8_t *src, size_t n, size_t *size) {
     size_t raw_size = 1 + n * (size_t)pr->itemsize;
     uint32_t hist0[256];
     uint8_t *planes[MAX_PLANES];
@@ -678,7 +756,7 @@ static const uint8_t *encode_block(const params_t *pr, scratch_t *s, const uint8
 
     uint8_t *dense = s->enc[0];
     dense[0] = BLOCK_DENSE;
-    size_t best_size = 1 + encode_planes(pr, planes, n, hist0, dense + 1);
+    size_t best_size = 1 + encode_planes(pr, planes, n, hist0, s->pairs, dense + 1);
     const uint8_t *best = dense;
 
     /* Zero elements map to zero in every plane, so plane 0's zero count bounds them. */
@@ -699,9 +777,9 @@ static const uint8_t *encode_block(const params_t *pr, scratch_t *s, const uint8
         store32(sp + 1, (uint32_t)m);
         uint32_t hm[256], hs0[256];
         hist_of(s->mask, nmask, hm);
-        size_t off = 5 + encode_plane(s->mask, nmask, hm, pr->substream, sp + 5);
+        size_t off = 5 + encode_plane(s->mask, nmask, hm, pr->substream, s->pairs, sp + 5);
         hist_of(s->sparse[0], m, hs0);
-        off += encode_planes(pr, s->sparse, m, hs0, sp + off);
+        off += encode_planes(pr, s->sparse, m, hs0, s->pairs, sp + off);
         if (off < best_size) {
             best = sp;
             best_size = off;
@@ -719,7 +797,7 @@ static const uint8_t *encode_block(const params_t *pr, scratch_t *s, const uint8
 }
 
 /* Decodes one block's payload into dst (n elements). Returns NULL or an error text. */
-static const char *decode_block(const params_t *pr, scratch_t *s, const uint8_t *blk, size_t blk_len, size_t n,
+HOT_PATH static const char *decode_block(const params_t *pr, scratch_t *s, const uint8_t *blk, size_t blk_len, size_t n,
                                 uint8_t *dst, const uint8_t *buf_end) {
     const uint8_t *p = blk, *end = blk + blk_len;
     size_t nbytes = n * (size_t)pr->itemsize;
@@ -734,7 +812,7 @@ static const char *decode_block(const params_t *pr, scratch_t *s, const uint8_t 
     const char *err;
     if (mode == BLOCK_DENSE) {
         for (int j = 0; j < pr->nplanes; j++)
-            if ((err = decode_plane(&p, end, buf_end, n, pr->substream, s->planes[j], s->lut, &syms[j])))
+            if ((err = decode_plane(&p, end, buf_end, n, pr->substream, s->planes[j], &s->lut, &syms[j])))
                 return err;
         if (p != end) return "block has trailing bytes";
         merge_planes(pr->layout, pr->itemsize, syms, n, dst);
@@ -746,13 +824,13 @@ static const char *decode_block(const params_t *pr, scratch_t *s, const uint8_t 
     p += 4;
     if (m > n) return "sparse block claims more nonzeros than elements";
     const uint8_t *mask;
-    if ((err = decode_plane(&p, end, buf_end, nmask, pr->substream, s->mask, s->lut, &mask))) return err;
+    if ((err = decode_plane(&p, end, buf_end, nmask, pr->substream, s->mask, &s->lut, &mask))) return err;
     size_t pop = 0;
     for (size_t i = 0; i < nmask; i++) pop += (size_t)__builtin_popcount(mask[i]);
     if (n & 7 && (mask[nmask - 1] >> (n & 7))) return "sparse mask padding is not zero";
     if (pop != m) return "sparse mask disagrees with the nonzero count";
     for (int j = 0; j < pr->nplanes; j++)
-        if ((err = decode_plane(&p, end, buf_end, m, pr->substream, s->sparse[j], s->lut, &syms[j]))) return err;
+        if ((err = decode_plane(&p, end, buf_end, m, pr->substream, s->sparse[j], &s->lut, &syms[j]))) return err;
     if (p != end) return "block has trailing bytes";
     merge_planes(pr->layout, pr->itemsize, syms, m, s->compact);
     size_t isz = (size_t)pr->itemsize, c = 0;
