@@ -31,6 +31,7 @@ enum { PLANE_RAW = 0, PLANE_CONST = 1, PLANE_HUFF = 2 };
 #define MAX_PLANES 16
 #define TABLE_ENTRY_BYTES 12 /* u32 payload bytes, u32 crc32c(original), u32 crc32c(payload) */
 #define MAX_BLOCK_ELEMS 65536u
+#define PAIR_ENTRIES (1u << 16) /* tables indexed by two symbols */
 
 /* The per-block encoder and decoder are built twice, for x86-64-v3 (AVX2, BMI2: shifts by
  * a register without the flag-merging uops of `shl %cl`) and for the baseline, and the
@@ -176,6 +177,48 @@ static void hist_of(const uint8_t *s, size_t n, uint32_t *h) {
     for (; i < n; i++) h[s[i]]++;
 }
 
+/* Histogram of a plane whose nonzero symbols span at most 64 values (exponents do; zero,
+ * the exponent of 0.0 and of the smallest subnormals, is allowed besides): counts byte
+ * pairs, half as many increments as bytes, into two 2^16-entry tables (zero on entry, and
+ * left zero) and folds them back over the symbols that can occur. Returns 0, doing
+ * nothing, for a wider span. */
+#define PAIR_HIST_SPAN 64
+
+static int hist_narrow(const uint8_t *s, size_t n, uint32_t *h, uint16_t *pc0, uint16_t *pc1) {
+    if (n < 4096) return 0;
+    uint8_t lo1 = 255, hi = 0; /* lo1: smallest symbol minus one, so zero wraps to 255 */
+    for (size_t i = 0; i < n; i++) { /* vectorizes */
+        uint8_t m1 = (uint8_t)(s[i] - 1);
+        lo1 = m1 < lo1 ? m1 : lo1;
+        hi = s[i] > hi ? s[i] : hi;
+    }
+    unsigned lo = lo1 + 1u;
+    if (hi < lo || hi - lo >= PAIR_HIST_SPAN) return 0; /* (hi < lo: all zero) */
+    uint8_t sym[PAIR_HIST_SPAN + 1];
+    int k = 0;
+    if (lo > 0) sym[k++] = 0;
+    for (unsigned v = lo; v <= hi; v++) sym[k++] = (uint8_t)v;
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) { /* per table at most n / 4 < 2^16 counts */
+        uint64_t v = load64(s + i);
+        pc0[v & 0xFFFF]++;
+        pc1[(v >> 16) & 0xFFFF]++;
+        pc0[(v >> 32) & 0xFFFF]++;
+        pc1[v >> 48]++;
+    }
+    memset(h, 0, 256 * sizeof(uint32_t));
+    for (int y = 0; y < k; y++)
+        for (int x = 0; x < k; x++) {
+            unsigned key = sym[x] | (unsigned)sym[y] << 8;
+            uint32_t c = (uint32_t)pc0[key] + pc1[key];
+            pc0[key] = pc1[key] = 0;
+            h[sym[x]] += c;
+            h[sym[y]] += c;
+        }
+    for (; i < n; i++) h[s[i]]++;
+    return 1;
+}
+
 static int num_planes(int layout, int itemsize) {
     return layout == LAYOUT_BYTES ? itemsize : (layout == LAYOUT_BF16 ? 2 : 4);
 }
@@ -184,7 +227,7 @@ static int num_planes(int layout, int itemsize) {
  * that is always entropy coded). For single-byte elements plane 0 aliases src. The
  * split loops stay free of the histogram so the compiler can vectorize them. */
 static void split_planes(int layout, int itemsize, const uint8_t *src, size_t n, uint8_t **planes,
-                         uint32_t *hist0) {
+                         uint32_t *hist0, uint16_t *pair_counts) {
     if (layout == LAYOUT_BF16) {
         uint8_t *e = planes[0], *r = planes[1];
         for (size_t i = 0; i < n; i++) {
@@ -212,7 +255,7 @@ static void split_planes(int layout, int itemsize, const uint8_t *src, size_t n,
         for (size_t i = 0; i < n; i++)
             for (int j = 0; j < itemsize; j++) planes[j][i] = src[(size_t)itemsize * i + j];
     }
-    hist_of(planes[0], n, hist0);
+    if (!hist_narrow(planes[0], n, hist0, pair_counts, pair_counts + PAIR_ENTRIES)) hist_of(planes[0], n, hist0);
 }
 
 /* Inverse of split_planes for n elements. */
@@ -385,8 +428,6 @@ static int build_lut(const uint8_t *len, lut_t *lut) {
  * pairs of used symbols are written; stale entries of an earlier block are never read
  * because only used symbols occur. Worth it while used^2 stores are few against the
  * lookups it saves (n / 2): exponent planes use 20-40 symbols, mantissa bytes all 256. */
-#define PAIR_ENTRIES (1u << 16)
-
 static int build_pairs(const uint8_t *len, const uint16_t *code, size_t n, uint32_t *pairs) {
     uint8_t used[256];
     int k = 0;
@@ -681,6 +722,7 @@ typedef struct {
     uint8_t *compact;            /* decoder: merged nonzero elements */
     lut_t lut;                   /* decoder table */
     uint32_t *pairs;             /* encoder pair table, PAIR_ENTRIES */
+    uint16_t *pair_counts;       /* hist_narrow's two tables, 2 x PAIR_ENTRIES, kept zero */
     size_t enc_cap;
     void *mem;
 } scratch_t;
@@ -689,13 +731,15 @@ static int scratch_alloc(scratch_t *s, const params_t *pr) {
     size_t be = pr->block_elems, P = (size_t)pr->nplanes;
     size_t plane = be + 64;
     s->enc_cap = 2 * be * (size_t)pr->itemsize + 4096 + P * 1024;
-    size_t total = PAIR_ENTRIES * sizeof(uint32_t) + 2 * P * plane + (be / 8 + 64) + 2 * s->enc_cap +
+    size_t total = PAIR_ENTRIES * (sizeof(uint32_t) + 2 * sizeof(uint16_t)) + 2 * P * plane + (be / 8 + 64) + 2 * s->enc_cap +
                    be * (size_t)pr->itemsize + 64;
-    uint8_t *m = malloc(total);
+    uint8_t *m = calloc(1, total); /* fresh zero pages: pair_counts must start at zero */
     if (!m) return -1;
     s->mem = m;
-    s->pairs = (uint32_t *)m; /* malloc's alignment; decoders never touch its pages */
+    s->pairs = (uint32_t *)m; /* calloc's alignment; decoders never touch these pages */
     m += PAIR_ENTRIES * sizeof(uint32_t);
+    s->pair_counts = (uint16_t *)m;
+    m += 2 * PAIR_ENTRIES * sizeof(uint16_t);
     for (size_t i = 0; i < P; i++, m += plane) s->planes[i] = m;
     for (size_t i = 0; i < P; i++, m += plane) s->sparse[i] = m;
     s->mask = m;
@@ -706,6 +750,55 @@ static int scratch_alloc(scratch_t *s, const params_t *pr) {
     m += s->enc_cap;
     s->compact = m;
     return 0;
+}
+
+/* Scratch is kept per thread between calls: a fresh one cost page faults on a MiB or more
+ * per call (5% of an 8 MiB compress), and the P2P pipeline's codec threads call once per
+ * chunk. A few layouts are kept (weights mix bf16 and fp32 tensors); a thread's scratch is
+ * freed when it exits (the workers of a multi-threaded call exit at its end). */
+#define SCRATCH_SLOTS 4
+
+typedef struct {
+    scratch_t s[SCRATCH_SLOTS];
+    params_t pr[SCRATCH_SLOTS];
+    int used, next;
+} scratch_cache_t;
+
+static pthread_key_t scratch_key;
+
+static void scratch_cache_free(void *p) {
+    scratch_cache_t *c = p;
+    for (int i = 0; i < c->used; i++) free(c->s[i].mem);
+    free(c);
+}
+
+static scratch_t *scratch_get(const params_t *pr) {
+    scratch_cache_t *c = pthread_getspecific(scratch_key);
+    if (!c) {
+        if (!(c = calloc(1, sizeof(*c)))) return NULL;
+        if (pthread_setspecific(scratch_key, c)) {
+            free(c);
+            return NULL;
+        }
+    }
+    for (int i = 0; i < c->used; i++)
+        if (c->pr[i].layout == pr->layout && c->pr[i].itemsize == pr->itemsize &&
+            c->pr[i].block_elems == pr->block_elems)
+            return &c->s[i];
+    int i = c->used < SCRATCH_SLOTS ? c->used : c->next; /* else replace round-robin */
+    if (i < c->used) free(c->s[i].mem);
+    else c->used++;
+    c->next = (i + 1) % SCRATCH_SLOTS;
+    if (scratch_alloc(&c->s[i], pr)) { /* keep the slots dense: move the last one here */
+        c->used--;
+        if (i != c->used) {
+            c->s[i] = c->s[c->used];
+            c->pr[i] = c->pr[c->used];
+        }
+        return NULL;
+    }
+    c->pr[i] = *pr;
+    return &c->s[i];
 }
 
 /* log2 of 0..4096, for entropy estimates on samples. */
@@ -752,7 +845,7 @@ HOT_PATH static const uint8_t *encode_block(const params_t *pr, scratch_t *s, co
     uint32_t hist0[256];
     uint8_t *planes[MAX_PLANES];
     memcpy(planes, s->planes, sizeof(planes));
-    split_planes(pr->layout, pr->itemsize, src, n, planes, hist0);
+    split_planes(pr->layout, pr->itemsize, src, n, planes, hist0, s->pair_counts);
 
     uint8_t *dense = s->enc[0];
     dense[0] = BLOCK_DENSE;
@@ -879,8 +972,8 @@ static void job_fail(job_t *j, size_t b, const char *msg) {
 
 static void *compress_worker(void *arg) {
     job_t *j = arg;
-    scratch_t s;
-    if (scratch_alloc(&s, &j->pr)) {
+    scratch_t *s = scratch_get(&j->pr);
+    if (!s) {
         job_fail(j, 0, "out of memory for codec scratch");
         return NULL;
     }
@@ -891,7 +984,7 @@ static void *compress_worker(void *arg) {
         size_t n = j->numel - first < j->pr.block_elems ? j->numel - first : j->pr.block_elems;
         const uint8_t *src = j->src + first * (size_t)j->pr.itemsize;
         size_t size;
-        const uint8_t *enc = encode_block(&j->pr, &s, src, n, &size);
+        const uint8_t *enc = encode_block(&j->pr, s, src, n, &size);
         uint32_t crc_orig = crc32c(0, src, n * (size_t)j->pr.itemsize);
         uint32_t crc_enc = crc32c(0, enc, size);
         /* Blocks are claimed in order, so waiting for our turn is short. */
@@ -917,14 +1010,13 @@ static void *compress_worker(void *arg) {
         pthread_cond_broadcast(&j->cv);
         pthread_mutex_unlock(&j->mu);
     }
-    free(s.mem);
     return NULL;
 }
 
 static void *decompress_worker(void *arg) {
     job_t *j = arg;
-    scratch_t s;
-    if (scratch_alloc(&s, &j->pr)) {
+    scratch_t *s = scratch_get(&j->pr);
+    if (!s) {
         job_fail(j, 0, "out of memory for codec scratch");
         return NULL;
     }
@@ -941,7 +1033,7 @@ static void *decompress_worker(void *arg) {
             break;
         }
         uint8_t *dst = j->dst + first * (size_t)j->pr.itemsize;
-        const char *err = decode_block(&j->pr, &s, blk, blk_len, n, dst, j->buf_end);
+        const char *err = decode_block(&j->pr, s, blk, blk_len, n, dst, j->buf_end);
         if (!err && crc32c(0, dst, n * (size_t)j->pr.itemsize) != load32(entry + 4))
             err = "decoded block checksum mismatch";
         if (err) {
@@ -949,7 +1041,6 @@ static void *decompress_worker(void *arg) {
             break;
         }
     }
-    free(s.mem);
     return NULL;
 }
 
@@ -1123,6 +1214,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cpu_codec",
 PyMODINIT_FUNC PyInit__cpu_codec(void) {
     crc_init_tables();
     crc_init_combine();
+    if (pthread_key_create(&scratch_key, scratch_cache_free)) return PyErr_NoMemory();
     for (int i = 1; i <= 4096; i++) log2_table[i] = (float)log2((double)i);
 #if defined(__x86_64__) && defined(__GNUC__)
     __builtin_cpu_init();
