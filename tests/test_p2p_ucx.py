@@ -312,3 +312,27 @@ def test_idle_receive_outlasts_the_deadline_and_ends_when_the_peer_goes():
             time.sleep(0.05)
         assert not sender.alive and not receiver.alive
         receiver.abort()
+
+
+def test_the_side_that_sent_last_waits_for_the_peer_to_close():
+    """The receiver's last message is its ack, and it closes right after (Peer). ucxx closes by
+    force: a receiver hanging up at once could have its ack dropped, or the sender's receive of
+    it cancelled (seen under load on a relay waiting for its last hop). So the receiver's close
+    waits for the sender, which read the last message, to hang up first."""
+    w = {"w": torch.arange(1 << 16, dtype=torch.float32)}
+    peer = Peer()
+    try:
+        async def main():
+            ep = await p2p.connect("127.0.0.1", peer.port)
+            await ep.send_tensors(w)
+            hung_up = False
+            for _ in range(20):  # the receiver has called close() by now; its end must stay up
+                await asyncio.sleep(0.1)
+                hung_up = hung_up or not ep.alive
+            await ep.close()
+            return hung_up
+
+        assert not asyncio.run(main()), "the receiver closed the connection before the sender did"
+        check(w, peer.get()[1])
+    finally:
+        peer.stop()

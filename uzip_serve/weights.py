@@ -102,8 +102,10 @@ async def push_weights_async(named_tensors: Mapping[str, torch.Tensor] | Iterabl
             try:
                 await ep.send_bytes(envelope)
                 stats = await ep.send_tensors(payload)
-            finally:
-                await ep.close()
+            except BaseException:
+                ep.abort()  # the receiver learns at once that this version is dead
+                raise
+            await ep.close()
             bar.update(stats.raw_bytes)
             return stats.raw_bytes, stats.wire_bytes
 
@@ -374,8 +376,10 @@ class WeightReceiver:
             self.last_error = error
             logger.warning("%s: version %d failed: %s", self.receiver_id, version, error)
         finally:
+            # On failure the children are aborted, not closed: a close would wait for them to
+            # hang up (ucx.Endpoint.close), and they would only give up at their own deadline.
             for child in children:
-                await child.close()
+                await child.close() if ok else child.abort()
             ep.abort() if not ok else await ep.close()
         if version:
             await asyncio.to_thread(self._report, version, ok, error, wire)

@@ -134,6 +134,8 @@ class Endpoint:
         # Codec work runs here so the event loop keeps progressing UCX meanwhile.
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="uzip-codec")
         self._closed = False
+        # Whether our last message may still be unread by the peer (see close).
+        self._sent_last = False
         self._finalizer = weakref.finalize(self, _abort_quietly, ucx_ep, self._executor)
 
     # -- the Channel used by split_send: exact-size messages under a deadline --
@@ -141,6 +143,7 @@ class Endpoint:
     # messages in the order they were posted, and the pipelines keep several in flight.
     def send(self, buf) -> Awaitable[None]:
         self._check_open()
+        self._sent_last = True
         return self._within_deadline(asyncio.ensure_future(self._ep.send(buf)), "send")
 
     def recv(self, buf) -> Awaitable[None]:
@@ -152,11 +155,18 @@ class Endpoint:
             await asyncio.wait_for(request, self.config.deadline_s)
         except Exception as e:  # noqa: BLE001 - translated into a typed error or re-raised
             raise _translate(e, what) from e
+        self._answered(what)
+
+    def _answered(self, what: str) -> None:
+        """A completed receive: the peer read what we sent before it, or it could not have answered."""
+        if what == "recv":
+            self._sent_last = False
 
     async def send_many(self, bufs, tag: int | None = None) -> None:
         """Sends several messages, all posted at once (UCX pipelines them), awaited in order:
         each must complete within deadline_s of the one before, a deadline on progress.
         `tag`: a UCX tag of their own (protocol.payload_tag) instead of the endpoint's."""
+        self._sent_last = True
         await self.wait_many(self._post(self._ep.send, bufs, tag), "send")
 
     async def recv_many(self, bufs, tag: int | None = None) -> None:
@@ -182,6 +192,7 @@ class Endpoint:
         except Exception as e:  # noqa: BLE001 - translated into a typed error or re-raised
             cancel_quietly(futs)
             raise _translate(e, what) from e
+        self._answered(what)
 
     def next_transfer_id(self) -> int:
         """Transfer ids grow by one per transfer sent on this endpoint (relayed ones included)."""
@@ -257,6 +268,7 @@ class Endpoint:
                 await self._ep.recv(n)
             except Exception as e:  # noqa: BLE001 - translated into a typed error or re-raised
                 raise _translate(e, "recv") from e
+            self._answered("recv")
         else:
             await self.recv(n)
         size = int.from_bytes(n, "little")
@@ -275,7 +287,14 @@ class Endpoint:
             call_soon(self._finalizer)
 
     async def close(self) -> None:
-        """Closes after what was sent has been delivered."""
+        """Closes after what was sent has been delivered: when our last message was a send (a
+        receiver's ack), only once the peer closed, or deadline_s passed without it doing so.
+
+        ucxx closes by force (UCP_EP_CLOSE_FLAG_FORCE, it never flushes), and a completed send
+        only means the bytes left this process. Closing right after one raced the peer: under
+        load the peer could learn of the close before it read the message, so its receive was
+        cancelled (PeerError, UCXXCanceledError), as a relay's wait for its last hop's ack can be.
+        So the side that read the last message closes first, and the other waits for that."""
         await on_ucx_loop(self._close())
 
     async def _close(self) -> None:
@@ -284,12 +303,25 @@ class Endpoint:
         self._closed = True
         self._finalizer.detach()
         try:
+            if self._sent_last:
+                await self._peer_closed(self.config.deadline_s)
             await asyncio.wait_for(self._ep.close(), self.config.deadline_s)
         except Exception:  # noqa: BLE001 - closing a dead endpoint is not an error
             self._ep.abort()
         finally:
             self._executor.shutdown(wait=False)
             self._ipc_importer.close()  # lets the peer's allocator have its blocks back
+
+    async def _peer_closed(self, timeout: float) -> bool:
+        """Waits until UCX reports the peer gone (it closed, or died); False after `timeout`."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        while not self._ep.closed:
+            if loop.time() >= end:
+                logger.debug("peer did not close within %.1f s; closing anyway", timeout)
+                return False
+            await asyncio.sleep(0.002)  # the loop progresses UCX meanwhile, which notices the close
+        return True
 
     @property
     def closed(self) -> bool:
