@@ -139,11 +139,14 @@ def test_random_bytes_go_raw_and_weights_get_compressed_in_auto_mode():
         async def main():
             ep = await p2p.connect("127.0.0.1", peer.port, p2p.TransportConfig(compression="auto"))
             # Pin the link estimate at 1 Gbit/s (loopback is faster than the codec, where
-            # nothing is worth compressing), and keep the measured outcomes of whole transfers
-            # out (they would tell the truth about loopback): then only the data decides.
+            # nothing is worth compressing) and the codec at 1 GB/s (on a loaded 2-core host
+            # it can measure slower than that link), and keep the measured outcomes of whole
+            # transfers out (they would tell the truth about loopback): then only the data decides.
             ep.policy.observe_link(8 << 20, (8 << 20) / 0.125e9)
-            ep.policy.observe_link = lambda *a, **k: None
-            ep.policy.observe_transfer = lambda *a, **k: None
+            ep.policy.observe_compress(1 << 20, (1 << 20) / 1e9)
+            ep.policy.observe_decompress(1 << 20, (1 << 20) / 1e9)
+            for name in ("observe_link", "observe_transfer", "observe_compress", "observe_decompress"):
+                setattr(ep.policy, name, lambda *a, **k: None)
             s_noise = await ep.send_tensors(noise)
             s_w = await ep.send_tensors(weights)
             await ep.close()
