@@ -90,3 +90,42 @@ def test_ratio_random_bytes():
         t = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
         assert ratio(t) <= 1.002
         assert ratio(t.view(torch.bfloat16) if nbytes % 2 == 0 else t) <= 1.002
+
+
+def _compress_with(t, block_elems, substream):
+    """A frame with other block and sub-stream sizes than compress() writes (the format allows
+    any power of two in range; GPU-encoded frames use 512-symbol sub-streams)."""
+    from uzip_serve import format as fmt
+    from uzip_serve.codec import _bytes_view, _dtype_name
+    from uzip_serve.kernels import get_backend
+
+    dt = fmt.dtype_by_name(_dtype_name(t.dtype))
+    numel = t.numel()
+    out = bytearray(uz.max_compressed_size(t.nbytes, t.dtype) + 13 * (65536 // block_elems) * fmt.num_blocks(numel, block_elems))
+    head = fmt.pack_header(dt, tuple(t.shape), numel, 0, block_elems, substream)
+    out[: len(head)] = head
+    payload_offset = fmt.payload_offset(t.dim(), fmt.num_blocks(numel, block_elems))
+    cpu = get_backend("cpu")
+    end = cpu.compress_blocks(_bytes_view(t), numel, dt.layout, dt.itemsize, block_elems, substream,
+                              memoryview(out), len(head), payload_offset, 1)
+    fmt.finish_header(memoryview(out), end, payload_offset, cpu.crc32c)
+    return bytes(out[:end])
+
+
+@pytest.mark.parametrize("block_elems,substream", [(256, 64), (4096, 64), (8192, 8192), (65536, 512)])
+def test_other_block_and_substream_sizes_round_trip(realdata, block_elems, substream):
+    """The decoder's fast loop counts its safe rounds from the sub-stream length, and its pair
+    and three-symbol tables depend on the data: run them on real tensors at every shape of
+    stream the format allows, not only the default 1024-symbol ones."""
+    acts = realdata("gemma_activations")
+    weights = realdata("minilm_weights")
+    cases = [flat(acts.values(), torch.bfloat16)[: 3 << 18],
+             flat(weights.values(), torch.float32)[: 1 << 18],
+             flat(weights.values(), torch.float16)[: 1 << 18]]
+    for t in cases:
+        frame = _compress_with(t, block_elems, substream)
+        hdr = uz.read_header(frame)
+        assert (hdr.block_elems, hdr.substream_elems) == (block_elems, substream)
+        assert torch.equal(bits(uz.decompress(frame)), bits(t)), (t.dtype, block_elems, substream)
+        if t.dtype == torch.bfloat16 and block_elems >= 4096:
+            assert len(frame) < 0.75 * t.nbytes, "bf16 activations must still compress at these sizes"
