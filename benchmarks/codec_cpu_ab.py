@@ -69,48 +69,35 @@ def tensor_of(set_name: str, dtype: str, mb: int):
 def measure(builds: dict, x, repeats: int) -> dict:
     import torch
 
+    from uzip_serve import codec
     from uzip_serve import format as fmt
-    from uzip_serve.codec import _bytes_view
 
-    dt = fmt.dtype_by_name(str(x.dtype).removeprefix("torch."))
-    numel, be, ss = x.numel(), fmt.DEFAULT_BLOCK_ELEMS, fmt.DEFAULT_SUBSTREAM_ELEMS
-    head = fmt.pack_header(dt, tuple(x.shape), numel, 0, be, ss)
-    tab, pay = len(head), fmt.payload_offset(x.dim(), fmt.num_blocks(numel, be))
-    src = _bytes_view(x)
-
-    def compress(mod, out):
-        return mod.compress_blocks(src, dt.layout, dt.itemsize, numel, be, ss, out, tab, pay, 1)
-
-    outs, ends = {}, {}
-    for name, mod in builds.items():
-        outs[name] = bytearray(pay + dt.itemsize * numel + 13 * fmt.num_blocks(numel, be) + 4096)
-        outs[name][:tab] = head
-        ends[name] = compress(mod, outs[name])
-    frames = {name: bytes(outs[name][:ends[name]]) for name in builds}
+    cap = codec.max_compressed_size(x.nbytes, x.dtype)
+    outs = {name: memoryview(bytearray(cap)) for name in builds}
+    frames = {name: bytes(outs[name][:codec._encode_host(x, outs[name], 1, backend=be)])
+              for name, be in builds.items()}
     if len(set(frames.values())) != 1:
         raise SystemExit("the two builds write different frames: not the same codec, nothing to compare")
     frame = next(iter(frames.values()))
+    header = fmt.parse_header(frame, builds["head"].crc32c)
     dst = torch.empty_like(x)
-    dview = memoryview(dst.view(torch.uint8).numpy()).cast("B")
+    dview = codec._bytes_view(dst)
     times = {name: {"compress": [], "decompress": []} for name in builds}
     order = list(builds)
     for r in range(repeats):
         for name in order if r % 2 == 0 else order[::-1]:  # alternate who goes first
-            mod = builds[name]
+            be = builds[name]
             t0 = time.perf_counter()
-            compress(mod, outs[name])
+            codec._encode_host(x, outs[name], 1, backend=be)
             t1 = time.perf_counter()
-            err = mod.decompress_blocks(frame, dt.layout, dt.itemsize, numel, be, ss, tab, pay, dview, 1)
+            be.decompress_blocks(frame, header, dview, 1)
             t2 = time.perf_counter()
-            if err is not None:
-                raise SystemExit(f"{name}: {err}")
             times[name]["compress"].append(t1 - t0)
             times[name]["decompress"].append(t2 - t1)
     if not torch.equal(dst.view(torch.uint8), x.view(torch.uint8)):
         raise SystemExit("decoded bytes differ from the input")
-    nbytes = numel * dt.itemsize
-    return {"ratio": len(frame) / nbytes, "mbytes": nbytes / 1e6,
-            **{name: {op: nbytes / min(ts) / 1e9 for op, ts in t.items()} for name, t in times.items()}}
+    return {"ratio": len(frame) / x.nbytes, "mbytes": x.nbytes / 1e6,
+            **{name: {op: x.nbytes / min(ts) / 1e9 for op, ts in t.items()} for name, t in times.items()}}
 
 
 def plot(result: dict, path: Path) -> None:
@@ -143,13 +130,13 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=21)
     p.add_argument("--out", type=Path, default=OUT_DIR)
     a = p.parse_args(argv)
-    from uzip_serve.kernels import _cpu_codec as head
+    from uzip_serve.kernels.cpu import CpuCodec
 
     head_rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                               text=True).stdout.strip()
     with tempfile.TemporaryDirectory() as tmp:
-        base = load(build(a.base, Path(tmp)), "uzip_codec_base")
-    builds = {"base": base, "head": head}
+        base = CpuCodec(load(build(a.base, Path(tmp)), "uzip_codec_base"))
+    builds = {"base": base, "head": CpuCodec()}
     rows = []
     print(f"{'data':30s} {'ratio':>6s}  {'compress base / head GB/s':>26s}  {'decompress base / head':>24s}")
     for label, (set_name, dtype) in SETS.items():

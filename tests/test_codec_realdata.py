@@ -95,20 +95,12 @@ def test_ratio_random_bytes():
 def _compress_with(t, block_elems, substream):
     """A frame with other block and sub-stream sizes than compress() writes (the format allows
     any power of two in range; GPU-encoded frames use 512-symbol sub-streams)."""
+    from uzip_serve import codec
     from uzip_serve import format as fmt
-    from uzip_serve.codec import _bytes_view, _dtype_name
-    from uzip_serve.kernels import get_backend
 
-    dt = fmt.dtype_by_name(_dtype_name(t.dtype))
-    numel = t.numel()
-    out = bytearray(uz.max_compressed_size(t.nbytes, t.dtype) + 13 * (65536 // block_elems) * fmt.num_blocks(numel, block_elems))
-    head = fmt.pack_header(dt, tuple(t.shape), numel, 0, block_elems, substream)
-    out[: len(head)] = head
-    payload_offset = fmt.payload_offset(t.dim(), fmt.num_blocks(numel, block_elems))
-    cpu = get_backend("cpu")
-    end = cpu.compress_blocks(_bytes_view(t), numel, dt.layout, dt.itemsize, block_elems, substream,
-                              memoryview(out), len(head), payload_offset, 1)
-    fmt.finish_header(memoryview(out), end, payload_offset, cpu.crc32c)
+    out = bytearray(fmt.max_compressed_size(t.nbytes, str(t.dtype).removeprefix("torch."), ndim=t.dim(),
+                                            block_elems=block_elems))
+    end = codec._encode_host(t, memoryview(out), 1, block_elems=block_elems, substream_elems=substream)
     return bytes(out[:end])
 
 

@@ -93,20 +93,25 @@ def compress_into(tensor, out: Buffer, *, threads: int | None = None) -> int:
         if n is not None:
             return n
     t = _as_host_tensor(tensor)
+    if t.dim() > fmt.MAX_NDIM:
+        raise ValueError(f"tensors of more than {fmt.MAX_NDIM} dims are not supported (got {t.dim()})")
+    out_mv = _checked_out(out, t.numel() * t.element_size(), _dtype_name(t.dtype), t.dim())
+    return _encode_host(t, out_mv, threads or default_threads())
+
+
+def _encode_host(t: "torch.Tensor", out_mv: memoryview, threads: int, *, block_elems: int = fmt.DEFAULT_BLOCK_ELEMS,
+                 substream_elems: int = fmt.DEFAULT_SUBSTREAM_ELEMS, backend=None) -> int:
+    """The C codec's frame of a contiguous host tensor, written into `out_mv` (which the caller
+    sized); returns its size. Other block and sub-stream sizes, which the format allows, and
+    another build of the codec (`backend`) are for tests and benchmarks."""
     dt = fmt.dtype_by_name(_dtype_name(t.dtype))
-    shape = tuple(t.shape)
-    if len(shape) > fmt.MAX_NDIM:
-        raise ValueError(f"tensors of more than {fmt.MAX_NDIM} dims are not supported (got {len(shape)})")
-    numel = t.numel()
-    out_mv = _checked_out(out, numel * dt.itemsize, dt.name, len(shape))
-    backend = get_backend("cpu")
-    head = fmt.pack_header(dt, shape, numel, 0, fmt.DEFAULT_BLOCK_ELEMS, fmt.DEFAULT_SUBSTREAM_ELEMS)
+    numel, ndim = t.numel(), t.dim()
+    backend = backend or get_backend("cpu")
+    head = fmt.pack_header(dt, tuple(t.shape), numel, 0, block_elems, substream_elems)
     out_mv[: len(head)] = head
-    table_offset = len(head)
-    payload_offset = fmt.payload_offset(len(shape), fmt.num_blocks(numel, fmt.DEFAULT_BLOCK_ELEMS))
-    end = backend.compress_blocks(
-        _bytes_view(t), numel, dt.layout, dt.itemsize, fmt.DEFAULT_BLOCK_ELEMS, fmt.DEFAULT_SUBSTREAM_ELEMS,
-        out_mv, table_offset, payload_offset, threads or default_threads())
+    payload_offset = fmt.payload_offset(ndim, fmt.num_blocks(numel, block_elems))
+    end = backend.compress_blocks(_bytes_view(t), numel, dt.layout, dt.itemsize, block_elems, substream_elems,
+                                  out_mv, len(head), payload_offset, threads)
     fmt.finish_header(out_mv, end, payload_offset, backend.crc32c)
     return end
 

@@ -22,17 +22,21 @@ except ImportError as e:  # pragma: no cover - depends on the install
 class CpuCodec:
     name = "cpu"
 
+    def __init__(self, module=None):
+        # module: another build of the extension (benchmarks/codec_cpu_ab.py compares two)
+        self._c = module or _c
+
     def compress_blocks(self, src, numel, dtype_layout, itemsize, block_elems, substream_elems, out,
                         table_offset, payload_offset, threads):
-        return _c.compress_blocks(src, dtype_layout, itemsize, numel, block_elems, substream_elems, out,
+        return self._c.compress_blocks(src, dtype_layout, itemsize, numel, block_elems, substream_elems, out,
                                   table_offset, payload_offset, threads)
 
     def decompress_blocks(self, frame, header: FrameHeader, out, threads):
-        err = _c.decompress_blocks(frame, header.dtype.layout, header.dtype.itemsize, header.numel,
+        err = self._c.decompress_blocks(frame, header.dtype.layout, header.dtype.itemsize, header.numel,
                                    header.block_elems, header.substream_elems, header.table_offset,
                                    header.payload_offset, out, threads)
         if err is not None:
             raise FrameError(f"corrupt uzip frame: {err}")
 
     def crc32c(self, data) -> int:
-        return _c.crc32c(data)
+        return self._c.crc32c(data)
