@@ -544,6 +544,14 @@ static int decode_stream_tail(const stream_t *st, size_t pos, size_t i, const lu
  * single-stream Huffman decoding loses most of its time. The caller guarantees that
  * reading count * MAX_CODE_LEN bits plus 8 bytes from each start stays in the buffer;
  * the outputs need 8 bytes of slack. */
+#define DEC4_EACH()         \
+    do {                     \
+        DEC4(p0, q0, o0);    \
+        DEC4(p1, q1, o1);    \
+        DEC4(p2, q2, o2);    \
+        DEC4(p3, q3, o3);    \
+    } while (0)
+
 static int decode_4streams(const stream_t *st, const lut_t *table, const uint8_t *buf_end) {
     const uint32_t *lut = table->e;
     const uint8_t *p0 = st[0].data, *p1 = st[1].data, *p2 = st[2].data, *p3 = st[3].data;
@@ -554,20 +562,10 @@ static int decode_4streams(const stream_t *st, const lut_t *table, const uint8_t
     if (count > DEC4_MARGIN) {
         /* Rounds that are safe whatever the streams yield, counted up front: the loop then
          * carries no per-stream end checks, which would not fit in registers beside it. */
-        for (size_t r = (count - DEC4_MARGIN) / DEC4_MAX_SYMS + 1; r; r--) {
-            DEC4(p0, q0, o0);
-            DEC4(p1, q1, o1);
-            DEC4(p2, q2, o2);
-            DEC4(p3, q3, o3);
-        }
+        for (size_t r = (count - DEC4_MARGIN) / DEC4_MAX_SYMS + 1; r; r--) DEC4_EACH();
         uint8_t *e0 = st[0].out + count - DEC4_MARGIN, *e1 = st[1].out + count - DEC4_MARGIN;
         uint8_t *e2 = st[2].out + count - DEC4_MARGIN, *e3 = st[3].out + count - DEC4_MARGIN;
-        while (o0 <= e0 && o1 <= e1 && o2 <= e2 && o3 <= e3) {
-            DEC4(p0, q0, o0);
-            DEC4(p1, q1, o1);
-            DEC4(p2, q2, o2);
-            DEC4(p3, q3, o3);
-        }
+        while (o0 <= e0 && o1 <= e1 && o2 <= e2 && o3 <= e3) DEC4_EACH();
     }
     if (flags & LUT_BAD_BIT) return -1;
     return decode_stream_tail(&st[0], q0, (size_t)(o0 - st[0].out), table, buf_end) |
@@ -785,18 +783,17 @@ static scratch_t *scratch_get(const params_t *pr) {
         if (c->pr[i].layout == pr->layout && c->pr[i].itemsize == pr->itemsize &&
             c->pr[i].block_elems == pr->block_elems)
             return &c->s[i];
-    int i = c->used < SCRATCH_SLOTS ? c->used : c->next; /* else replace round-robin */
-    if (i < c->used) free(c->s[i].mem);
-    else c->used++;
-    c->next = (i + 1) % SCRATCH_SLOTS;
-    if (scratch_alloc(&c->s[i], pr)) { /* keep the slots dense: move the last one here */
-        c->used--;
-        if (i != c->used) {
-            c->s[i] = c->s[c->used];
-            c->pr[i] = c->pr[c->used];
-        }
-        return NULL;
+    scratch_t fresh;
+    if (scratch_alloc(&fresh, pr)) return NULL;
+    int i;
+    if (c->used < SCRATCH_SLOTS) {
+        i = c->used++;
+    } else { /* all taken: replace them round-robin */
+        i = c->next;
+        c->next = (i + 1) % SCRATCH_SLOTS;
+        free(c->s[i].mem);
     }
+    c->s[i] = fresh;
     c->pr[i] = *pr;
     return &c->s[i];
 }
