@@ -79,7 +79,7 @@ def measure(builds: dict, x, repeats: int) -> dict:
     if len(set(frames.values())) != 1:
         raise SystemExit("the two builds write different frames: not the same codec, nothing to compare")
     frame = next(iter(frames.values()))
-    header = fmt.parse_header(frame, builds["head"].crc32c)
+    header = fmt.parse_header(frame, builds["head"].uzh64)
     dst = torch.empty_like(x)
     dview = codec._bytes_view(dst)
     times = {name: {"compress": [], "decompress": []} for name in builds}

@@ -76,19 +76,20 @@ def patched(frame: bytes, offset: int, fmt_: str, value) -> bytearray:
     return bad
 
 
-def with_fresh_header_crc(frame) -> bytearray:
-    """Recomputes the header CRC so a test reaches the checks behind it."""
+def with_fresh_header_hash(frame) -> bytearray:
+    """Recomputes the header hash so a test reaches the checks behind it."""
     bad = bytearray(frame)
     (_, _, _, ndim, numel, _, block_elems, _, nblocks, _) = fmt.FRAME_HEADER.unpack_from(bad, 0)
-    end = fmt.payload_offset(ndim, nblocks)
-    if end <= len(bad):
-        fmt.CRC.pack_into(bad, end - 4, get_backend("cpu").crc32c(bytes(bad[: end - 4])))
+    at = fmt.hash_offset(ndim, nblocks)
+    if at + fmt.HASH.size <= len(bad):
+        fmt.HASH.pack_into(bad, at, get_backend("cpu").uzh64(bytes(bad[:at])))
     return bad
 
 
 @pytest.mark.parametrize("field,offset,fmt_,value,message", [
     ("magic", 0, "<4s", b"UZIQ", "magic"),
-    ("version", 4, "<H", 2, "version 2"),
+    ("version", 4, "<H", 1, "version 1.*re-encode"),
+    ("version", 4, "<H", 3, "version 3"),
     ("version", 4, "<H", 0, "version 0"),
     ("dtype", 6, "<B", 250, "dtype code"),
     ("ndim", 7, "<B", 9, "ndim"),
@@ -99,22 +100,22 @@ def with_fresh_header_crc(frame) -> bytearray:
     ("block_elems", 24, "<I", 1 << 20, "block size"),
     ("substream", 28, "<I", 3, "sub-stream"),
     ("num_blocks", 32, "<I", 1 << 31, "blocks declared"),
-    ("flags", 36, "<I", 1, "flags"),
+    ("flags", 36, "<I", 2, "flags"),
 ])
 def test_header_fields(field, offset, fmt_, value, message):
     _, frame = FRAMES[0]
     bad = patched(frame, offset, fmt_, value)
     with pytest.raises(uz.FrameError):
-        uz.decompress(bad)  # caught by the header CRC
+        uz.decompress(bad)  # caught by the header hash
     with pytest.raises(uz.FrameError, match=message):
-        uz.decompress(with_fresh_header_crc(bad))  # caught by the field's own check
+        uz.decompress(with_fresh_header_hash(bad))  # caught by the field's own check
 
 
 def test_absurd_size_is_refused_before_allocating():
     # A tiny frame claiming 2^40 elements: rejected by arithmetic, nothing allocated.
     x = torch.zeros(10, dtype=torch.bfloat16)
     frame = bytes(uz.compress(x))
-    bad = with_fresh_header_crc(patched(patched(frame, 8, "<Q", 1 << 40), 40, "<Q", 1 << 40))
+    bad = with_fresh_header_hash(patched(patched(frame, 8, "<Q", 1 << 40), 40, "<Q", 1 << 40))
     with pytest.raises(uz.FrameError, match="absurd|truncated|blocks"):
         uz.decompress(bad)
 
@@ -122,34 +123,49 @@ def test_absurd_size_is_refused_before_allocating():
 def test_block_table_lies_are_caught():
     _, frame = FRAMES[0]
     h = uz.read_header(frame)
-    for delta in (-1, 1, 1 << 30):
-        bad = bytearray(frame)
-        (size,) = struct.unpack_from("<I", bad, h.table_offset)
-        struct.pack_into("<I", bad, h.table_offset, (size + delta) % (1 << 32))
-        with pytest.raises(uz.FrameError, match="block|payload|frame"):
-            uz.decompress(with_fresh_header_crc(bad))
+    for entry in (0, 1):  # the first block's end, and the last one's (the frame's end)
+        at = h.table_offset + fmt.TABLE_ENTRY.size * entry
+        for delta in (-16, -1, 1, 16, 1 << 30, 1 << 62):
+            bad = bytearray(frame)
+            (end,) = struct.unpack_from("<Q", bad, at)
+            struct.pack_into("<Q", bad, at, (end + delta) % (1 << 64))
+            with pytest.raises(uz.FrameError, match="block|payload|frame"):
+                uz.decompress(with_fresh_header_hash(bad))
+
+
+def test_general_flag_is_required_for_sparse_blocks():
+    """A frame whose GENERAL flag was cleared (header hash made consistent) while it holds a
+    SPARSE block is refused: a GPU decoder decides from the flag alone whether it needs its
+    general path (docs/format.md)."""
+    _, frame = FRAMES[1]  # the sparse fp32 tensor
+    assert uz.read_header(frame).general
+    bad = with_fresh_header_hash(patched(frame, 36, "<I", 0))
+    with pytest.raises(uz.FrameError, match="GENERAL"):
+        uz.decompress(bad)
+    assert not uz.read_header(FRAMES[0][1]).general  # plain bf16 weights: the fast path only
 
 
 def refresh_all_checksums(frame: bytearray) -> bytearray:
-    """Makes a mutated frame's payload and header CRCs consistent again, so the fuzzer
-    reaches the decoder's structural checks instead of stopping at the first CRC."""
+    """Makes a mutated frame's payload and header hashes consistent again, so the fuzzer
+    reaches the decoder's structural checks instead of stopping at the first checksum."""
     try:
         (_, _, _, ndim, _, _, _, _, nblocks, _) = fmt.FRAME_HEADER.unpack_from(frame, 0)
     except struct.error:
         return frame
     table = fmt.HEADER_NBYTES + 8 * ndim
-    end = fmt.payload_offset(ndim, nblocks)
-    if end > len(frame) or nblocks > 64:
+    base = fmt.payload_offset(ndim, nblocks)
+    if base > len(frame) or nblocks > 64:
         return frame
-    crc = get_backend("cpu").crc32c
-    at = end
+    uzh = get_backend("cpu").uzh64
+    start = 0
     for b in range(nblocks):
-        size, _, _ = fmt.TABLE_ENTRY.unpack_from(frame, table + 12 * b)
-        if at + size > len(frame):
+        end, _, _ = fmt.TABLE_ENTRY.unpack_from(frame, table + fmt.TABLE_ENTRY.size * b)
+        if end < start or base + end > len(frame):
             break
-        struct.pack_into("<I", frame, table + 12 * b + 8, crc(bytes(frame[at:at + size])))
-        at += size
-    fmt.CRC.pack_into(frame, end - 4, crc(bytes(frame[: end - 4])))
+        struct.pack_into("<Q", frame, table + fmt.TABLE_ENTRY.size * b + 16, uzh(bytes(frame[base + start:base + end])))
+        start = end
+    at = fmt.hash_offset(ndim, nblocks)
+    fmt.HASH.pack_into(frame, at, uzh(bytes(frame[:at])))
     return frame
 
 

@@ -183,5 +183,6 @@ def test_read_header_reports_what_the_frame_holds():
 def test_header_size_is_pinned():
     # Changing the header layout requires a FORMAT_VERSION bump and a docs/format.md update.
     assert fmt.HEADER_NBYTES == 40
-    assert fmt.TABLE_ENTRY.size == 12
-    assert fmt.FORMAT_VERSION == 1
+    assert fmt.TABLE_ENTRY.size == 24
+    assert fmt.HASH.size == 8
+    assert fmt.FORMAT_VERSION == 2

@@ -110,9 +110,9 @@ def _encode_host(t: "torch.Tensor", out_mv: memoryview, threads: int, *, block_e
     head = fmt.pack_header(dt, tuple(t.shape), numel, 0, block_elems, substream_elems)
     out_mv[: len(head)] = head
     payload_offset = fmt.payload_offset(ndim, fmt.num_blocks(numel, block_elems))
-    end = backend.compress_blocks(_bytes_view(t), numel, dt.layout, dt.itemsize, block_elems, substream_elems,
-                                  out_mv, len(head), payload_offset, threads)
-    fmt.finish_header(out_mv, end, payload_offset, backend.crc32c)
+    end, flags = backend.compress_blocks(_bytes_view(t), numel, dt.layout, dt.itemsize, block_elems,
+                                         substream_elems, out_mv, len(head), payload_offset, threads)
+    fmt.finish_header(out_mv, end, ndim, fmt.num_blocks(numel, block_elems), flags, backend.uzh64)
     return end
 
 
@@ -141,7 +141,7 @@ def compress(tensor, *, threads: int | None = None) -> memoryview:
 
 def read_header(buf: Buffer) -> FrameHeader:
     """Parses and validates a frame's header (dtype, shape, sizes) without decoding."""
-    return fmt.parse_header(buf, get_backend("cpu").crc32c)
+    return fmt.parse_header(buf, get_backend("cpu").uzh64)
 
 
 def decompress(buf: Buffer, *, out: "torch.Tensor | None" = None, device=None,

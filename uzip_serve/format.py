@@ -8,10 +8,11 @@ Everything is little-endian. A frame is::
 
     header      40 bytes, FRAME_HEADER below
     dims        ndim x u64, the tensor's shape
-    block table num_blocks x 12 bytes: u32 payload bytes, u32 crc32c(original block
-                bytes), u32 crc32c(payload bytes)
-    header_crc  u32, crc32c of every byte above
-    payloads    num_blocks block payloads, back to back
+    block table num_blocks x 24 bytes: u64 payload end (from the first payload's start),
+                u64 UZH64(original block bytes), u64 UZH64(payload bytes)
+    header_hash u64, UZH64 of every byte above
+    padding     zeros up to a multiple of 16
+    payloads    num_blocks block payloads, back to back, each a multiple of 16 bytes
 
 Nothing here imports torch; dtypes are named by their torch names ("bfloat16").
 """
@@ -22,7 +23,7 @@ import dataclasses
 import struct
 
 MAGIC = b"UZIP"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 # magic(4s) version(u16) dtype(u8) ndim(u8) numel(u64) frame_nbytes(u64)
 # block_elems(u32) substream_elems(u32) num_blocks(u32) flags(u32)
@@ -31,8 +32,12 @@ HEADER_NBYTES = FRAME_HEADER.size  # 40, pinned by a test
 DIM = struct.Struct("<Q")
 _FRAME_NBYTES = struct.Struct("<Q")
 _FRAME_NBYTES_OFFSET = 16  # after magic, version, dtype, ndim, numel
-TABLE_ENTRY = struct.Struct("<III")  # payload bytes, crc32c(original), crc32c(payload)
-CRC = struct.Struct("<I")
+_FLAGS = struct.Struct("<I")
+_FLAGS_OFFSET = 36
+TABLE_ENTRY = struct.Struct("<QQQ")  # payload end, UZH64(original), UZH64(payload)
+HASH = struct.Struct("<Q")
+ALIGN = 16  # payloads and every plane's data start at multiples of this (docs/format.md)
+FLAG_GENERAL = 1  # some block is SPARSE or has more than one entropy-coded plane
 
 MAX_NDIM = 8
 MIN_BLOCK_ELEMS = 256
@@ -103,6 +108,12 @@ class FrameHeader:
     block_elems: int
     substream_elems: int
     num_blocks: int
+    flags: int = 0
+
+    @property
+    def general(self) -> bool:
+        """Whether some block may need a decoder's general path (FLAG_GENERAL)."""
+        return bool(self.flags & FLAG_GENERAL)
 
     @property
     def nbytes(self) -> int:
@@ -115,12 +126,38 @@ class FrameHeader:
 
     @property
     def payload_offset(self) -> int:
-        return self.table_offset + TABLE_ENTRY.size * self.num_blocks + CRC.size
+        return payload_offset(len(self.shape), self.num_blocks)
 
     @property
     def ratio(self) -> float:
         """Compressed bytes over original bytes (lower is better)."""
         return self.frame_nbytes / self.nbytes if self.nbytes else float("nan")
+
+
+# UZH64 (docs/format.md, "UZH64, the checksum"): the codecs compute it in C and CUDA; this
+# numpy version is the specification's executable twin, for tests.
+UZH_LENGTH_MUL = 0x9E3779B97F4A7C15
+UZH_MIX_A, UZH_MIX_B, UZH_MASK29 = 0x9E3779B1, 0x85EBCA6B, 0x1FFFFFFF
+
+
+def uzh64_reference(data) -> int:
+    """UZH64 of a bytes-like object, straight from the definition (slow; for tests)."""
+    import numpy as np
+
+    b = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
+    n = b.size
+    padded = np.zeros(-(-n // 16) * 16, dtype=np.uint8)
+    padded[:n] = b
+    w = padded.view("<u4").astype(np.uint64)
+    g = np.arange(w.size, dtype=np.uint64) // 4
+    x = (g * UZH_MIX_A) & UZH_MASK29
+    x ^= x >> 14
+    x = (x * UZH_MIX_B) & UZH_MASK29
+    x ^= x >> 13
+    key = 8 * x + 2 * (np.arange(w.size, dtype=np.uint64) % 4) + 1
+    with np.errstate(over="ignore"):
+        total = int((w * key).sum(dtype=np.uint64))  # wraps mod 2^64, as specified
+    return (total + n * UZH_LENGTH_MUL) & ((1 << 64) - 1)
 
 
 def dtype_by_name(name: str) -> DType:
@@ -136,45 +173,59 @@ def num_blocks(numel: int, block_elems: int) -> int:
     return -(-numel // block_elems)
 
 
+def align16(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def hash_offset(ndim: int, nblocks: int) -> int:
+    """Where header_hash sits: after the header, dims and block table."""
+    return HEADER_NBYTES + DIM.size * ndim + TABLE_ENTRY.size * nblocks
+
+
 def payload_offset(ndim: int, nblocks: int) -> int:
-    return HEADER_NBYTES + DIM.size * ndim + TABLE_ENTRY.size * nblocks + CRC.size
+    return align16(hash_offset(ndim, nblocks) + HASH.size)
 
 
 def max_compressed_size(nbytes: int, dtype: str, *, ndim: int = MAX_NDIM,
                         block_elems: int = DEFAULT_BLOCK_ELEMS) -> int:
     """Upper bound on the frame size for a tensor of `nbytes` bytes of `dtype`.
 
-    A block never takes more than its raw bytes plus its 1-byte mode (the encoder
-    falls back to a raw block), so the bound is raw + header + 13 bytes per block.
+    A block never takes more than a RAW block (the encoder falls back to one): 16 bytes of
+    mode and padding, its bytes, and padding to 16; only the last block can be short.
     """
     dt = dtype_by_name(dtype)
     if nbytes < 0 or nbytes % dt.itemsize:
         raise ValueError(f"nbytes={nbytes} is not a whole number of {dtype} elements")
     nblocks = num_blocks(nbytes // dt.itemsize, block_elems)
-    return payload_offset(ndim, nblocks) + nbytes + nblocks
+    return payload_offset(ndim, nblocks) + nbytes + ALIGN * nblocks + (ALIGN - 1)
 
 
 def pack_header(dt: DType, shape: tuple[int, ...], numel: int, frame_nbytes: int, block_elems: int,
-                substream_elems: int) -> bytes:
-    """Header and dims; the block table and header CRC follow (see finish_header)."""
+                substream_elems: int, flags: int = 0) -> bytes:
+    """Header and dims; the block table and header hash follow (see finish_header)."""
     nblocks = num_blocks(numel, block_elems)
     head = FRAME_HEADER.pack(MAGIC, FORMAT_VERSION, dt.code, len(shape), numel, frame_nbytes, block_elems,
-                             substream_elems, nblocks, 0)
+                             substream_elems, nblocks, flags)
     return head + b"".join(DIM.pack(d) for d in shape)
 
 
-def finish_header(frame, frame_nbytes: int, payload_offset: int, crc32c) -> None:
-    """Stores the final frame size and the header CRC once the block table is written."""
+def finish_header(frame, frame_nbytes: int, ndim: int, nblocks: int, flags: int, hash64) -> None:
+    """Stores the final frame size, the flags and the header hash once the block table is
+    written, and zeroes the padding before the payloads."""
     _FRAME_NBYTES.pack_into(frame, _FRAME_NBYTES_OFFSET, frame_nbytes)
-    crc_at = payload_offset - CRC.size
-    CRC.pack_into(frame, crc_at, crc32c(frame[:crc_at]))
+    _FLAGS.pack_into(frame, _FLAGS_OFFSET, flags)
+    at = hash_offset(ndim, nblocks)
+    HASH.pack_into(frame, at, hash64(frame[:at]))
+    end = payload_offset(ndim, nblocks)
+    frame[at + HASH.size:end] = bytes(end - at - HASH.size)
 
 
-def parse_header(buf, crc32c) -> FrameHeader:
+def parse_header(buf, hash64) -> FrameHeader:
     """Validates everything up to the payloads; raises FrameError with the reason.
 
-    `crc32c(data) -> int` is passed in so this module stays free of compiled code.
-    Every length is checked against len(buf) before anything is allocated.
+    `hash64(data) -> int` (UZH64) is passed in so this module stays free of compiled code.
+    Every length is checked against len(buf) before anything is allocated. The block table's
+    offsets are checked block by block by the decoders.
     """
     mv = memoryview(buf).cast("B")
     n = len(mv)
@@ -185,7 +236,8 @@ def parse_header(buf, crc32c) -> FrameHeader:
     if magic != MAGIC:
         raise FrameError(f"not a uzip frame (magic {bytes(magic)!r}, expected {MAGIC!r})")
     if version != FORMAT_VERSION:
-        raise FrameError(f"unsupported uzip format version {version}; this build reads {FORMAT_VERSION}")
+        hint = " (re-encode it with this build)" if version < FORMAT_VERSION else ""
+        raise FrameError(f"unsupported uzip format version {version}; this build reads {FORMAT_VERSION}{hint}")
     if frame_nbytes != n:
         kind = "truncated" if n < frame_nbytes else "extended"
         raise FrameError(f"{kind} frame: buffer holds {n} bytes, header declares {frame_nbytes}")
@@ -194,7 +246,7 @@ def parse_header(buf, crc32c) -> FrameHeader:
         raise FrameError(f"unknown dtype code {dcode}")
     if ndim > MAX_NDIM:
         raise FrameError(f"ndim {ndim} exceeds the maximum {MAX_NDIM}")
-    if flags != 0:
+    if flags & ~FLAG_GENERAL:
         raise FrameError(f"unknown header flags 0x{flags:x}")
     if not (MIN_BLOCK_ELEMS <= block_elems <= MAX_BLOCK_ELEMS) or block_elems & (block_elems - 1):
         raise FrameError(f"invalid block size {block_elems} elements")
@@ -213,7 +265,10 @@ def parse_header(buf, crc32c) -> FrameHeader:
         prod *= d
     if prod != numel:
         raise FrameError(f"shape {shape} has {prod} elements, header declares {numel}")
-    (stored_crc,) = CRC.unpack_from(mv, end - CRC.size)
-    if crc32c(mv[: end - CRC.size]) != stored_crc:
+    at = hash_offset(ndim, nblocks)
+    (stored,) = HASH.unpack_from(mv, at)
+    if hash64(mv[:at]) != stored:
         raise FrameError("header checksum mismatch (header or block table corrupted)")
-    return FrameHeader(dt, shape, numel, frame_nbytes, block_elems, substream, nblocks)
+    if any(mv[at + HASH.size:end]):
+        raise FrameError("padding after the header is not zero")
+    return FrameHeader(dt, shape, numel, frame_nbytes, block_elems, substream, nblocks, flags)

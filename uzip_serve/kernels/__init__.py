@@ -22,14 +22,15 @@ class CodecBackend(Protocol):
     def compress_blocks(self, src, numel: int, dtype_layout: int, itemsize: int, block_elems: int,
                         substream_elems: int, out, table_offset: int, payload_offset: int,
                         threads: int) -> int:
-        """Writes the block table and payloads into `out`; returns the frame's end offset."""
+        """Writes the block table and payloads into `out`; returns (the frame's end offset,
+        the header flags)."""
         ...
 
     def decompress_blocks(self, frame, header: FrameHeader, out, threads: int) -> None:
         """Decodes every block of `frame` into `out`; raises FrameError on corruption."""
         ...
 
-    def crc32c(self, data) -> int:
+    def uzh64(self, data) -> int:
         ...
 
 

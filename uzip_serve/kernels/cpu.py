@@ -29,14 +29,19 @@ class CpuCodec:
     def compress_blocks(self, src, numel, dtype_layout, itemsize, block_elems, substream_elems, out,
                         table_offset, payload_offset, threads):
         return self._c.compress_blocks(src, dtype_layout, itemsize, numel, block_elems, substream_elems, out,
-                                  table_offset, payload_offset, threads)
+                                       table_offset, payload_offset, threads)
 
     def decompress_blocks(self, frame, header: FrameHeader, out, threads):
         err = self._c.decompress_blocks(frame, header.dtype.layout, header.dtype.itemsize, header.numel,
-                                   header.block_elems, header.substream_elems, header.table_offset,
-                                   header.payload_offset, out, threads)
+                                        header.block_elems, header.substream_elems, header.table_offset,
+                                        header.payload_offset, header.flags, out, threads)
         if err is not None:
             raise FrameError(f"corrupt uzip frame: {err}")
 
+    def uzh64(self, data) -> int:
+        """UZH64, the frame checksum (docs/format.md)."""
+        return self._c.uzh64(data)
+
     def crc32c(self, data) -> int:
+        """CRC32C, the P2P raw-chunk checksum (not part of the frame format)."""
         return self._c.crc32c(data)

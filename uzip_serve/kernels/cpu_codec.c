@@ -29,7 +29,9 @@ enum { PLANE_RAW = 0, PLANE_CONST = 1, PLANE_HUFF = 2 };
 #define MAX_CODE_LEN 11 /* longest Huffman code, bits; also the decode table index width */
 #define LUT_SIZE (1u << MAX_CODE_LEN)
 #define MAX_PLANES 16
-#define TABLE_ENTRY_BYTES 12 /* u32 payload bytes, u32 crc32c(original), u32 crc32c(payload) */
+#define TABLE_ENTRY_BYTES 24 /* u64 payload end, u64 UZH64(original), u64 UZH64(payload) */
+#define ALIGN 16             /* payloads and every plane's data start at multiples of this */
+#define FLAG_GENERAL 1u      /* header flag: some block is SPARSE or has > 1 HUFF plane */
 #define MAX_BLOCK_ELEMS 65536u
 #define PAIR_ENTRIES (1u << 16) /* tables indexed by two symbols */
 
@@ -50,6 +52,7 @@ static inline uint16_t load16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); 
 static inline void store16(uint8_t *p, uint16_t v) { memcpy(p, &v, 2); }
 static inline uint32_t load32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
 static inline void store32(uint8_t *p, uint32_t v) { memcpy(p, &v, 4); }
+static inline size_t align16(size_t n) { return (n + ALIGN - 1) & ~(size_t)(ALIGN - 1); }
 
 /* Loads up to 8 bytes that may run past `end`; missing bytes read as zero. */
 static inline uint64_t load64_tail(const uint8_t *p, const uint8_t *end) {
@@ -58,7 +61,83 @@ static inline uint64_t load64_tail(const uint8_t *p, const uint8_t *end) {
     return load64(tmp);
 }
 
-/* ---- CRC32C (Castagnoli), hardware when the CPU has SSE4.2 ---- */
+/* ---- UZH64, the frame checksum (docs/format.md, "UZH64, the checksum") ---- */
+#define UZH_LENGTH_MUL 0x9E3779B97F4A7C15ull
+
+/* The key of 16-byte group g: x = mix29(g); word j of the group gets 8x + 2j + 1. */
+static inline uint32_t uzh_key_base(uint32_t g) {
+    uint32_t x = (g * 0x9E3779B1u) & 0x1FFFFFFFu;
+    x ^= x >> 14;
+    x = (x * 0x85EBCA6Bu) & 0x1FFFFFFFu;
+    x ^= x >> 13;
+    return x << 3;
+}
+
+static uint64_t uzh_groups_scalar(const uint8_t *p, size_t ngroups, uint32_t g0) {
+    uint64_t acc = 0;
+    for (size_t g = 0; g < ngroups; g++, p += 16) {
+        uint32_t k = uzh_key_base(g0 + (uint32_t)g);
+        acc += (uint64_t)load32(p) * (k | 1u) + (uint64_t)load32(p + 4) * (k | 3u) +
+               (uint64_t)load32(p + 8) * (k | 5u) + (uint64_t)load32(p + 12) * (k | 7u);
+    }
+    return acc;
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+/* Eight groups per round: one vector mix makes their eight keys, which are then spread to
+ * the four words of each group; even and odd words take one 32x32->64 multiply each. */
+__attribute__((target("avx2"))) static uint64_t uzh_groups_avx2(const uint8_t *p, size_t ngroups, uint32_t g0) {
+    const __m256i mul_a = _mm256_set1_epi32((int)0x9E3779B1u), mul_b = _mm256_set1_epi32((int)0x85EBCA6Bu);
+    const __m256i mask = _mm256_set1_epi32(0x1FFFFFFF), odd = _mm256_setr_epi32(1, 3, 5, 7, 1, 3, 5, 7);
+    __m256i gv = _mm256_add_epi32(_mm256_set1_epi32((int)g0), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    __m256i acc = _mm256_setzero_si256();
+    size_t g = 0;
+    for (; g + 8 <= ngroups; g += 8, p += 128) {
+        __m256i x = _mm256_and_si256(_mm256_mullo_epi32(gv, mul_a), mask);
+        x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 14));
+        x = _mm256_and_si256(_mm256_mullo_epi32(x, mul_b), mask);
+        x = _mm256_slli_epi32(_mm256_xor_si256(x, _mm256_srli_epi32(x, 13)), 3);
+#define UZH_PAIR(C)                                                                                     \
+        do {                                                                                            \
+            __m256i k_ = _mm256_or_si256(                                                               \
+                _mm256_permutevar8x32_epi32(x, _mm256_setr_epi32(2 * C, 2 * C, 2 * C, 2 * C, 2 * C + 1, \
+                                                                 2 * C + 1, 2 * C + 1, 2 * C + 1)),     \
+                odd);                                                                                   \
+            __m256i d_ = _mm256_loadu_si256((const __m256i *)(p + 32 * C));                              \
+            acc = _mm256_add_epi64(acc, _mm256_mul_epu32(d_, k_));                                      \
+            acc = _mm256_add_epi64(acc, _mm256_mul_epu32(_mm256_srli_epi64(d_, 32), _mm256_srli_epi64(k_, 32))); \
+        } while (0)
+        UZH_PAIR(0);
+        UZH_PAIR(1);
+        UZH_PAIR(2);
+        UZH_PAIR(3);
+#undef UZH_PAIR
+        gv = _mm256_add_epi32(gv, _mm256_set1_epi32(8));
+    }
+    uint64_t lanes[4];
+    _mm256_storeu_si256((__m256i *)lanes, acc);
+    return lanes[0] + lanes[1] + lanes[2] + lanes[3] + uzh_groups_scalar(p, ngroups - g, g0 + (uint32_t)g);
+}
+static int have_avx2;
+#endif
+
+static uint64_t uzh64(const uint8_t *p, size_t n) {
+    size_t full = n / 16;
+#if defined(__x86_64__) && defined(__GNUC__)
+    uint64_t acc = have_avx2 ? uzh_groups_avx2(p, full, 0) : uzh_groups_scalar(p, full, 0);
+#else
+    uint64_t acc = uzh_groups_scalar(p, full, 0);
+#endif
+    if (n % 16) {
+        uint8_t tail[16] = {0};
+        memcpy(tail, p + 16 * full, n % 16);
+        acc += uzh_groups_scalar(tail, 1, (uint32_t)full);
+    }
+    return acc + (uint64_t)n * UZH_LENGTH_MUL;
+}
+
+/* ---- CRC32C (Castagnoli), hardware when the CPU has SSE4.2: the P2P raw-chunk checksum ---- */
 static uint32_t crc_table[8][256];
 
 static void crc_init_tables(void) {
@@ -574,14 +653,31 @@ static int decode_4streams(const stream_t *st, const lut_t *table, const uint8_t
            decode_stream_tail(&st[3], q3, (size_t)(o3 - st[3].out), table, buf_end);
 }
 
-/* ---- planes ---- */
+/* ---- planes (docs/format.md, "Plane header") ---- */
 
-/* Encodes one plane of n symbols (docs/format.md, "Plane"). hist is its exact
- * histogram, or NULL to store it raw without looking. Returns the bytes written;
- * out needs 2*n + 1024 bytes. */
-static size_t encode_plane(const uint8_t *syms, size_t n, const uint32_t *hist, size_t substream, uint32_t *pairs,
-                           uint8_t *out) {
-    if (n == 0 || hist == NULL) goto raw;
+/* How the encoder stores one plane: its mode and, for HUFF, the code. */
+typedef struct {
+    int mode;
+    uint8_t value; /* CONST */
+    int lo, hi;    /* HUFF: the symbols with a code lie in lo..hi */
+    size_t k;      /* HUFF: sub-streams */
+    uint8_t len[256];
+    uint16_t code[256];
+} plane_plan_t;
+
+static size_t plan_header_nbytes(const plane_plan_t *pl) {
+    if (pl->mode == PLANE_RAW) return 1;
+    if (pl->mode == PLANE_CONST) return 2;
+    return 3 + (size_t)(pl->hi - pl->lo + 2) / 2 + 2 * pl->k;
+}
+
+/* Chooses how to store a plane of n symbols. hist is its exact histogram, or NULL to store
+ * it raw without looking. HUFF only when its header and data beat a RAW plane's; the data
+ * size is estimated from the histogram, an upper bound (each sub-stream pads to a byte), so
+ * the plane never turns out larger than planned and its ends fit in u16. */
+static void plan_plane(size_t n, const uint32_t *hist, size_t substream, plane_plan_t *pl) {
+    pl->mode = PLANE_RAW;
+    if (n == 0 || hist == NULL) return;
     int used = 0, lo = 255, hi = 0;
     for (int s = 0; s < 256; s++)
         if (hist[s]) {
@@ -590,84 +686,148 @@ static size_t encode_plane(const uint8_t *syms, size_t n, const uint32_t *hist, 
             hi = s;
         }
     if (used == 1) {
-        out[0] = PLANE_CONST;
-        out[1] = (uint8_t)lo;
-        return 2;
+        pl->mode = PLANE_CONST;
+        pl->value = (uint8_t)lo;
+        return;
     }
-    uint8_t len[256];
-    build_lengths(hist, len);
+    build_lengths(hist, pl->len);
     uint64_t bits = 0;
-    for (int s = lo; s <= hi; s++) bits += (uint64_t)hist[s] * len[s];
-    size_t k = (n + substream - 1) / substream;
-    size_t head = 3 + (size_t)(hi - lo + 2) / 2 + 2 * k;
-    /* + k: each stream pads to a byte. Not worth it unless it beats raw. */
-    if (1 + head + bits / 8 + k >= 1 + n || bits / 8 + k > 0xFFFF) goto raw;
-
-    uint16_t code[256];
-    assign_codes(len, code);
-    if (!build_pairs(len, code, n, pairs)) pairs = NULL;
-    out[0] = PLANE_HUFF;
-    out[1] = (uint8_t)lo;
-    out[2] = (uint8_t)(hi - lo);
-    uint8_t *q = out + 3;
-    for (int s = lo; s <= hi; s += 2) *q++ = (uint8_t)(len[s] | ((s + 1 <= hi ? len[s + 1] : 0) << 4));
-    uint8_t *ends = q, *data = q + 2 * k, *p = data;
-    for (size_t j = 0; j < k; j++) {
-        size_t c = (j + 1 < k) ? substream : n - j * substream;
-        p += encode_stream(syms + j * substream, c, pairs, code, len, p);
-        if ((size_t)(p - data) > 0xFFFF) goto raw; /* cannot happen given the estimate; stay safe */
-        store16(ends + 2 * j, (uint16_t)(p - data));
-    }
-    if ((size_t)(p - out) < 1 + n) return (size_t)(p - out);
-raw:
-    out[0] = PLANE_RAW;
-    memcpy(out + 1, syms, n);
-    return 1 + n;
+    for (int s = lo; s <= hi; s++) bits += (uint64_t)hist[s] * pl->len[s];
+    pl->lo = lo;
+    pl->hi = hi;
+    pl->k = (n + substream - 1) / substream;
+    size_t est = bits / 8 + pl->k;
+    if (3 + (size_t)(hi - lo + 2) / 2 + 2 * pl->k + est >= 1 + n || est > 0xFFFF) return;
+    assign_codes(pl->len, pl->code);
+    pl->mode = PLANE_HUFF;
 }
 
-/* Decodes one plane of n symbols starting at *pp (bounded by end). On success *pp
- * moves past the plane and *syms points at the decoded symbols: into the frame itself
- * for a raw plane, else into scratch (n + 8 bytes). Returns NULL or an error text. */
-static const char *decode_plane(const uint8_t **pp, const uint8_t *end, const uint8_t *buf_end, size_t n,
-                                size_t substream, uint8_t *scratch, lut_t *lut, const uint8_t **syms) {
+/* Writes a plane's header at hdr; returns where a HUFF plane's ends go (else NULL). */
+static uint8_t *write_plane_header(const plane_plan_t *pl, uint8_t *hdr) {
+    hdr[0] = (uint8_t)pl->mode;
+    if (pl->mode == PLANE_CONST) hdr[1] = pl->value;
+    if (pl->mode != PLANE_HUFF) return NULL;
+    hdr[1] = (uint8_t)pl->lo;
+    hdr[2] = (uint8_t)(pl->hi - pl->lo);
+    uint8_t *q = hdr + 3;
+    for (int s = pl->lo; s <= pl->hi; s += 2)
+        *q++ = (uint8_t)(pl->len[s] | ((s + 1 <= pl->hi ? pl->len[s + 1] : 0) << 4));
+    return q;
+}
+
+/* Writes a plane's data (RAW: the symbols; HUFF: its sub-streams, filling in ends) and
+ * returns its size. HUFF output needs 8 bytes of slack after it. */
+static size_t write_plane_data(const plane_plan_t *pl, const uint8_t *syms, size_t n, size_t substream,
+                               uint32_t *pairs, uint8_t *ends, uint8_t *data) {
+    if (pl->mode == PLANE_RAW) {
+        memcpy(data, syms, n);
+        return n;
+    }
+    if (pl->mode == PLANE_CONST) return 0;
+    if (!build_pairs(pl->len, pl->code, n, pairs)) pairs = NULL;
+    uint8_t *p = data;
+    for (size_t j = 0; j < pl->k; j++) {
+        size_t c = (j + 1 < pl->k) ? substream : n - j * substream;
+        p += encode_stream(syms + j * substream, c, pairs, pl->code, pl->len, p);
+        store16(ends + 2 * j, (uint16_t)(p - data));
+    }
+    return (size_t)(p - data);
+}
+
+/* Lays out a DENSE or SPARSE payload (docs/format.md, "Block payload") behind the `prefix`
+ * bytes already at out (mode, and m for SPARSE): the plane headers, then each plane's data
+ * at the next multiple of 16, zero padding between and up to a multiple of 16. Returns the
+ * payload's size. */
+static size_t assemble(uint8_t *out, size_t prefix, int np, const plane_plan_t *plans, uint8_t *const *syms,
+                       size_t count0, size_t count, size_t substream, uint32_t *pairs) {
+    uint8_t *ends[MAX_PLANES + 1];
+    size_t off = prefix;
+    for (int j = 0; j < np; j++) {
+        ends[j] = write_plane_header(&plans[j], out + off);
+        off += plan_header_nbytes(&plans[j]);
+    }
+    for (int j = 0; j < np; j++) {
+        if (plans[j].mode == PLANE_CONST) continue;
+        size_t at = align16(off);
+        memset(out + off, 0, at - off);
+        off = at + write_plane_data(&plans[j], syms[j], j ? count : count0, substream, pairs, ends[j], out + at);
+    }
+    size_t end = align16(off);
+    memset(out + off, 0, end - off);
+    return end;
+}
+
+/* A plane header as read by the decoder, checked against the payload. */
+typedef struct {
+    int mode;
+    uint8_t value;
+    size_t count, k;
+    const uint8_t *ends;
+    uint8_t len[256];
+} plane_desc_t;
+
+/* Parses the header at *pp of a plane of `count` symbols; headers end before `end`. */
+static const char *parse_plane_header(const uint8_t **pp, const uint8_t *end, size_t count, size_t substream,
+                                      plane_desc_t *d) {
     const uint8_t *p = *pp;
     if (p >= end) return "plane header runs past the block";
-    int mode = *p++;
-    if (mode == PLANE_RAW) {
-        if ((size_t)(end - p) < n) return "raw plane runs past the block";
-        *syms = p;
-        *pp = p + n;
-        return NULL;
-    }
-    if (mode == PLANE_CONST) {
+    d->mode = *p++;
+    d->count = count;
+    if (d->mode == PLANE_CONST) {
         if (p >= end) return "constant plane runs past the block";
-        memset(scratch, *p, n);
+        d->value = *p++;
+    } else if (d->mode == PLANE_HUFF) {
+        if (count == 0) return "entropy-coded plane with no symbols";
+        if (end - p < 2) return "Huffman table runs past the block";
+        int lo = p[0], hi = lo + p[1];
+        p += 2;
+        if (hi > 255) return "Huffman symbol range exceeds a byte";
+        size_t nib = (size_t)(hi - lo + 2) / 2;
+        if ((size_t)(end - p) < nib) return "Huffman table runs past the block";
+        memset(d->len, 0, sizeof(d->len));
+        for (int s = lo; s <= hi; s++) {
+            int l = (p[(s - lo) / 2] >> (((s - lo) & 1) * 4)) & 0xF;
+            if (l > MAX_CODE_LEN) return "Huffman code length over the limit";
+            d->len[s] = (uint8_t)l;
+        }
+        if (((hi - lo) & 1) == 0 && (p[nib - 1] >> 4)) return "Huffman table padding is not zero";
+        p += nib;
+        d->k = (count + substream - 1) / substream;
+        if ((size_t)(end - p) < 2 * d->k) return "sub-stream offsets run past the block";
+        d->ends = p;
+        p += 2 * d->k;
+    } else if (d->mode != PLANE_RAW) {
+        return "unknown plane mode";
+    }
+    *pp = p;
+    return NULL;
+}
+
+/* Decodes a plane's data, which starts at the first multiple of 16 at or after *off in the
+ * payload blk. On success *off moves past the data and *syms points at the symbols: into
+ * the frame for a RAW plane, else into scratch (count + 8 bytes). */
+static const char *decode_plane_data(const plane_desc_t *d, const uint8_t *blk, size_t blk_len, size_t *off,
+                                     const uint8_t *buf_end, size_t substream, uint8_t *scratch, lut_t *lut,
+                                     const uint8_t **syms) {
+    size_t n = d->count;
+    if (d->mode == PLANE_CONST) {
+        memset(scratch, d->value, n);
         *syms = scratch;
-        *pp = p + 1;
         return NULL;
     }
-    if (mode != PLANE_HUFF) return "unknown plane mode";
-    if (n == 0) return "entropy-coded plane with no symbols";
-    if (end - p < 2) return "Huffman table runs past the block";
-    int lo = p[0], hi = lo + p[1];
-    p += 2;
-    if (hi > 255) return "Huffman symbol range exceeds a byte";
-    size_t nib = (size_t)(hi - lo + 2) / 2;
-    if ((size_t)(end - p) < nib) return "Huffman table runs past the block";
-    uint8_t len[256] = {0};
-    for (int s = lo; s <= hi; s++) {
-        int l = (p[(s - lo) / 2] >> (((s - lo) & 1) * 4)) & 0xF;
-        if (l > MAX_CODE_LEN) return "Huffman code length over the limit";
-        len[s] = (uint8_t)l;
+    size_t at = align16(*off);
+    if (at > blk_len) return "plane data runs past the block";
+    if (d->mode == PLANE_RAW) {
+        if (blk_len - at < n) return "raw plane runs past the block";
+        *syms = blk + at;
+        *off = at + n;
+        return NULL;
     }
-    if (((hi - lo) & 1) == 0 && (p[nib - 1] >> 4)) return "Huffman table padding is not zero";
-    p += nib;
-    if (build_lut(len, lut) < 0) return "Huffman code lengths over-subscribe the code space";
-    size_t k = (n + substream - 1) / substream;
-    if ((size_t)(end - p) < 2 * k) return "sub-stream offsets run past the block";
-    const uint8_t *ends = p, *data = p + 2 * k;
+    if (build_lut(d->len, lut) < 0) return "Huffman code lengths over-subscribe the code space";
+    size_t k = d->k;
+    const uint8_t *ends = d->ends, *data = blk + at;
     size_t total = load16(ends + 2 * (k - 1));
-    if ((size_t)(end - data) < total) return "sub-streams run past the block";
+    if (blk_len - at < total) return "sub-streams run past the block";
 
     stream_t st[4];
     size_t j = 0, start = 0;
@@ -700,7 +860,7 @@ static const char *decode_plane(const uint8_t **pp, const uint8_t *end, const ui
     }
     if (start != total) return "sub-stream offsets disagree with their total";
     *syms = scratch;
-    *pp = data + total;
+    *off = at + total;
     return NULL;
 }
 
@@ -814,11 +974,11 @@ static int plane_worth_coding(const uint8_t *s, size_t n) {
     return bits < 0.95 * 8.0 * (double)m;
 }
 
-/* Encodes the planes of n elements (already split into planes[]); hist0 is plane 0's
- * full histogram. Returns bytes written to out. */
-static size_t encode_planes(const params_t *pr, uint8_t *const *planes, size_t n, const uint32_t *hist0, uint32_t *pairs,
-                            uint8_t *out) {
-    size_t off = 0;
+/* Plans the planes of n elements (already split into planes[]); hist0 is plane 0's full
+ * histogram. Returns how many of them are HUFF. */
+static int plan_planes(const params_t *pr, uint8_t *const *planes, size_t n, const uint32_t *hist0,
+                       plane_plan_t *plans) {
+    int huff = 0;
     for (int j = 0; j < pr->nplanes; j++) {
         uint32_t h[256];
         const uint32_t *hp = NULL;
@@ -831,22 +991,27 @@ static size_t encode_planes(const params_t *pr, uint8_t *const *planes, size_t n
             hist_of(planes[j], n, h);
             hp = h;
         }
-        off += encode_plane(planes[j], n, hp, pr->substream, pairs, out + off);
+        plan_plane(n, hp, pr->substream, &plans[j]);
+        huff += plans[j].mode == PLANE_HUFF;
     }
-    return off;
+    return huff;
 }
 
-/* Encodes one block into s->enc[...] and returns a pointer to the chosen encoding. */
-HOT_PATH static const uint8_t *encode_block(const params_t *pr, scratch_t *s, const uint8_t *src, size_t n, size_t *size) {
-    size_t raw_size = 1 + n * (size_t)pr->itemsize;
+/* Encodes one block into s->enc[...] and returns a pointer to the chosen encoding; *general
+ * says whether it needs a decoder's general path (SPARSE, or more than one HUFF plane). */
+HOT_PATH static const uint8_t *encode_block(const params_t *pr, scratch_t *s, const uint8_t *src, size_t n,
+                                            size_t *size, int *general) {
+    size_t raw_size = ALIGN + align16(n * (size_t)pr->itemsize);
     uint32_t hist0[256];
     uint8_t *planes[MAX_PLANES];
+    plane_plan_t plans[MAX_PLANES + 1];
     memcpy(planes, s->planes, sizeof(planes));
     split_planes(pr->layout, pr->itemsize, src, n, planes, hist0, s->pair_counts);
 
     uint8_t *dense = s->enc[0];
     dense[0] = BLOCK_DENSE;
-    size_t best_size = 1 + encode_planes(pr, planes, n, hist0, s->pairs, dense + 1);
+    *general = plan_planes(pr, planes, n, hist0, plans) > 1;
+    size_t best_size = assemble(dense, 1, pr->nplanes, plans, planes, n, n, pr->substream, s->pairs);
     const uint8_t *best = dense;
 
     /* Zero elements map to zero in every plane, so plane 0's zero count bounds them. */
@@ -867,62 +1032,97 @@ HOT_PATH static const uint8_t *encode_block(const params_t *pr, scratch_t *s, co
         store32(sp + 1, (uint32_t)m);
         uint32_t hm[256], hs0[256];
         hist_of(s->mask, nmask, hm);
-        size_t off = 5 + encode_plane(s->mask, nmask, hm, pr->substream, s->pairs, sp + 5);
+        plan_plane(nmask, hm, pr->substream, &plans[0]);
         hist_of(s->sparse[0], m, hs0);
-        off += encode_planes(pr, s->sparse, m, hs0, s->pairs, sp + off);
+        plan_planes(pr, s->sparse, m, hs0, plans + 1);
+        uint8_t *syms[MAX_PLANES + 1];
+        syms[0] = s->mask;
+        memcpy(syms + 1, s->sparse, sizeof(s->sparse));
+        size_t off = assemble(sp, 5, 1 + pr->nplanes, plans, syms, nmask, m, pr->substream, s->pairs);
         if (off < best_size) {
             best = sp;
             best_size = off;
+            *general = 1;
         }
     }
     if (best_size >= raw_size) {
         uint8_t *r = s->enc[1];
+        memset(r, 0, ALIGN);
         r[0] = BLOCK_RAW;
-        memcpy(r + 1, src, n * (size_t)pr->itemsize);
+        memcpy(r + ALIGN, src, n * (size_t)pr->itemsize);
+        memset(r + ALIGN + n * (size_t)pr->itemsize, 0, raw_size - ALIGN - n * (size_t)pr->itemsize);
         best = r;
         best_size = raw_size;
+        *general = 0;
     }
     *size = best_size;
     return best;
 }
 
-/* Decodes one block's payload into dst (n elements). Returns NULL or an error text. */
+/* Decodes the data of `np` planes whose headers were parsed into d[], from payload offset
+ * *off on; syms[j] gets plane j's symbols (scratch[j] unless RAW). */
+static const char *decode_planes(const plane_desc_t *d, int np, const uint8_t *blk, size_t blk_len, size_t *off,
+                                 const uint8_t *buf_end, size_t substream, uint8_t *const *scratch, lut_t *lut,
+                                 const uint8_t **syms) {
+    const char *err;
+    for (int j = 0; j < np; j++)
+        if ((err = decode_plane_data(&d[j], blk, blk_len, off, buf_end, substream, scratch[j], lut, &syms[j])))
+            return err;
+    if (align16(*off) != blk_len) return "block payload size disagrees with its plane headers";
+    return NULL;
+}
+
+/* Decodes one block's payload into dst (n elements). Returns NULL or an error text; *general
+ * says whether the block needed a decoder's general path. */
 HOT_PATH static const char *decode_block(const params_t *pr, scratch_t *s, const uint8_t *blk, size_t blk_len, size_t n,
-                                uint8_t *dst, const uint8_t *buf_end) {
+                                         uint8_t *dst, const uint8_t *buf_end, int *general) {
     const uint8_t *p = blk, *end = blk + blk_len;
     size_t nbytes = n * (size_t)pr->itemsize;
+    plane_desc_t d[MAX_PLANES + 1];
+    const uint8_t *syms[MAX_PLANES + 1];
+    const char *err;
+    *general = 0;
     if (blk_len < 1) return "empty block payload";
     int mode = *p++;
     if (mode == BLOCK_RAW) {
-        if (blk_len != 1 + nbytes) return "raw block has the wrong size";
-        memcpy(dst, p, nbytes);
+        if (blk_len != ALIGN + align16(nbytes)) return "raw block has the wrong size";
+        memcpy(dst, blk + ALIGN, nbytes);
         return NULL;
     }
-    const uint8_t *syms[MAX_PLANES];
-    const char *err;
     if (mode == BLOCK_DENSE) {
-        for (int j = 0; j < pr->nplanes; j++)
-            if ((err = decode_plane(&p, end, buf_end, n, pr->substream, s->planes[j], &s->lut, &syms[j])))
-                return err;
-        if (p != end) return "block has trailing bytes";
+        int huff = 0;
+        for (int j = 0; j < pr->nplanes; j++) {
+            if ((err = parse_plane_header(&p, end, n, pr->substream, &d[j]))) return err;
+            huff += d[j].mode == PLANE_HUFF;
+        }
+        *general = huff > 1;
+        size_t off = (size_t)(p - blk);
+        if ((err = decode_planes(d, pr->nplanes, blk, blk_len, &off, buf_end, pr->substream, s->planes, &s->lut, syms)))
+            return err;
         merge_planes(pr->layout, pr->itemsize, syms, n, dst);
         return NULL;
     }
     if (mode != BLOCK_SPARSE) return "unknown block mode";
+    *general = 1;
     if (end - p < 4) return "sparse block header runs past the block";
     size_t m = load32(p), nmask = (n + 7) / 8;
     p += 4;
     if (m > n) return "sparse block claims more nonzeros than elements";
-    const uint8_t *mask;
-    if ((err = decode_plane(&p, end, buf_end, nmask, pr->substream, s->mask, &s->lut, &mask))) return err;
+    if ((err = parse_plane_header(&p, end, nmask, pr->substream, &d[0]))) return err;
+    for (int j = 0; j < pr->nplanes; j++)
+        if ((err = parse_plane_header(&p, end, m, pr->substream, &d[1 + j]))) return err;
+    uint8_t *scratch[MAX_PLANES + 1];
+    scratch[0] = s->mask;
+    memcpy(scratch + 1, s->sparse, sizeof(s->sparse));
+    size_t off = (size_t)(p - blk);
+    if ((err = decode_planes(d, 1 + pr->nplanes, blk, blk_len, &off, buf_end, pr->substream, scratch, &s->lut, syms)))
+        return err;
+    const uint8_t *mask = syms[0];
     size_t pop = 0;
     for (size_t i = 0; i < nmask; i++) pop += (size_t)__builtin_popcount(mask[i]);
     if (n & 7 && (mask[nmask - 1] >> (n & 7))) return "sparse mask padding is not zero";
     if (pop != m) return "sparse mask disagrees with the nonzero count";
-    for (int j = 0; j < pr->nplanes; j++)
-        if ((err = decode_plane(&p, end, buf_end, m, pr->substream, s->sparse[j], &s->lut, &syms[j]))) return err;
-    if (p != end) return "block has trailing bytes";
-    merge_planes(pr->layout, pr->itemsize, syms, m, s->compact);
+    merge_planes(pr->layout, pr->itemsize, syms + 1, m, s->compact);
     size_t isz = (size_t)pr->itemsize, c = 0;
     for (size_t i = 0; i < n; i++) {
         if (mask[i >> 3] >> (i & 7) & 1) {
@@ -951,6 +1151,7 @@ typedef struct {
     /* shared */
     size_t next_block;     /* atomically claimed work */
     size_t next_to_write;  /* compress: blocks are appended in order */
+    int general;           /* compress: some block needs the general path; decompress: the header flag */
     pthread_mutex_t mu;
     pthread_cond_t cv;
     const char *err;
@@ -981,9 +1182,10 @@ static void *compress_worker(void *arg) {
         size_t n = j->numel - first < j->pr.block_elems ? j->numel - first : j->pr.block_elems;
         const uint8_t *src = j->src + first * (size_t)j->pr.itemsize;
         size_t size;
-        const uint8_t *enc = encode_block(&j->pr, s, src, n, &size);
-        uint32_t crc_orig = crc32c(0, src, n * (size_t)j->pr.itemsize);
-        uint32_t crc_enc = crc32c(0, enc, size);
+        int general;
+        const uint8_t *enc = encode_block(&j->pr, s, src, n, &size, &general);
+        uint64_t hash_orig = uzh64(src, n * (size_t)j->pr.itemsize);
+        uint64_t hash_enc = uzh64(enc, size);
         /* Blocks are claimed in order, so waiting for our turn is short. */
         pthread_mutex_lock(&j->mu);
         while (j->next_to_write != b && !j->err) pthread_cond_wait(&j->cv, &j->mu);
@@ -998,11 +1200,12 @@ static void *compress_worker(void *arg) {
             break;
         }
         memcpy(j->payload + at, enc, size);
-        store32(j->table + TABLE_ENTRY_BYTES * b, (uint32_t)size);
-        store32(j->table + TABLE_ENTRY_BYTES * b + 4, crc_orig);
-        store32(j->table + TABLE_ENTRY_BYTES * b + 8, crc_enc);
+        store64(j->table + TABLE_ENTRY_BYTES * b, (uint64_t)(at + size));
+        store64(j->table + TABLE_ENTRY_BYTES * b + 8, hash_orig);
+        store64(j->table + TABLE_ENTRY_BYTES * b + 16, hash_enc);
         pthread_mutex_lock(&j->mu);
         j->written = at + size;
+        j->general |= general;
         j->next_to_write = b + 1;
         pthread_cond_broadcast(&j->cv);
         pthread_mutex_unlock(&j->mu);
@@ -1024,15 +1227,16 @@ static void *decompress_worker(void *arg) {
         size_t n = j->numel - first < j->pr.block_elems ? j->numel - first : j->pr.block_elems;
         const uint8_t *entry = j->table + TABLE_ENTRY_BYTES * b;
         const uint8_t *blk = j->frame_payload + j->offsets[b];
-        size_t blk_len = load32(entry);
-        if (crc32c(0, blk, blk_len) != load32(entry + 8)) {
+        size_t blk_len = j->offsets[b + 1] - j->offsets[b];
+        if (uzh64(blk, blk_len) != load64(entry + 16)) {
             job_fail(j, b, "block checksum mismatch (payload corrupted)");
             break;
         }
         uint8_t *dst = j->dst + first * (size_t)j->pr.itemsize;
-        const char *err = decode_block(&j->pr, s, blk, blk_len, n, dst, j->buf_end);
-        if (!err && crc32c(0, dst, n * (size_t)j->pr.itemsize) != load32(entry + 4))
-            err = "decoded block checksum mismatch";
+        int general;
+        const char *err = decode_block(&j->pr, s, blk, blk_len, n, dst, j->buf_end, &general);
+        if (!err && general && !j->general) err = "block needs the general decoder but the header's GENERAL flag is clear";
+        if (!err && uzh64(dst, n * (size_t)j->pr.itemsize) != load64(entry + 8)) err = "decoded block checksum mismatch";
         if (err) {
             job_fail(j, b, err);
             break;
@@ -1079,7 +1283,7 @@ PyDoc_STRVAR(compress_blocks_doc,
              "compress_blocks(src, layout, itemsize, numel, block_elems, substream_elems, dst, table_offset,\n"
              "                payload_offset, nthreads) -> int\n\n"
              "Encodes every block of src into dst: table entries at table_offset, payloads back to back\n"
-             "from payload_offset. Returns the end offset of the last payload.");
+             "from payload_offset. Returns (end offset of the last payload, header flags).");
 
 static PyObject *py_compress_blocks(PyObject *self, PyObject *args) {
     Py_buffer src, dst;
@@ -1110,7 +1314,7 @@ static PyObject *py_compress_blocks(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "block %zu: %s", j.err_block, j.err);
         goto done;
     }
-    result = PyLong_FromSsize_t(payload_off + (Py_ssize_t)j.written);
+    result = Py_BuildValue("nI", payload_off + (Py_ssize_t)j.written, j.general ? FLAG_GENERAL : 0u);
 done:
     PyBuffer_Release(&src);
     PyBuffer_Release(&dst);
@@ -1119,16 +1323,17 @@ done:
 
 PyDoc_STRVAR(decompress_blocks_doc,
              "decompress_blocks(frame, layout, itemsize, numel, block_elems, substream_elems, table_offset,\n"
-             "                  payload_offset, dst, nthreads) -> str | None\n\n"
+             "                  payload_offset, flags, dst, nthreads) -> str | None\n\n"
              "Validates the block table against the frame, then decodes every block into dst.\n"
              "Returns None on success, or a message describing the first corrupt block.");
 
 static PyObject *py_decompress_blocks(PyObject *self, PyObject *args) {
     Py_buffer frame, dst;
     int layout, itemsize, nthreads;
+    unsigned int flags;
     Py_ssize_t numel, block_elems, substream, table_off, payload_off;
-    if (!PyArg_ParseTuple(args, "y*iinnnnnw*i", &frame, &layout, &itemsize, &numel, &block_elems, &substream,
-                          &table_off, &payload_off, &dst, &nthreads))
+    if (!PyArg_ParseTuple(args, "y*iinnnnnIw*i", &frame, &layout, &itemsize, &numel, &block_elems, &substream,
+                          &table_off, &payload_off, &flags, &dst, &nthreads))
         return NULL;
     PyObject *result = NULL;
     size_t *offsets = NULL;
@@ -1153,22 +1358,26 @@ static PyObject *py_decompress_blocks(PyObject *self, PyObject *args) {
         PyErr_NoMemory();
         goto done;
     }
-    size_t at = 0, avail = (size_t)(frame.len - payload_off);
+    /* offsets[b] .. offsets[b + 1]: block b's payload; each end is checked against the one
+     * before it, so no payload can overlap another or leave the frame. */
+    size_t avail = (size_t)(frame.len - payload_off);
+    offsets[0] = 0;
     for (size_t b = 0; b < j.nblocks; b++) {
-        size_t len = load32(j.table + TABLE_ENTRY_BYTES * b);
-        if (len > avail - at) {
-            snprintf(msg, sizeof msg, "block %zu: payload runs past the end of the frame", b);
+        uint64_t end = load64(j.table + TABLE_ENTRY_BYTES * b);
+        if (end < offsets[b] || end > avail || end % ALIGN) {
+            snprintf(msg, sizeof msg, "block %zu: payload end %llu is out of order, unaligned or past the frame", b,
+                     (unsigned long long)end);
             result = PyUnicode_FromString(msg);
             goto done;
         }
-        offsets[b] = at;
-        at += len;
+        offsets[b + 1] = (size_t)end;
     }
-    if (at != avail) {
-        snprintf(msg, sizeof msg, "block payloads cover %zu bytes but the frame holds %zu", at, avail);
+    if (offsets[j.nblocks] != avail) {
+        snprintf(msg, sizeof msg, "block payloads cover %zu bytes but the frame holds %zu", offsets[j.nblocks], avail);
         result = PyUnicode_FromString(msg);
         goto done;
     }
+    j.general = (flags & FLAG_GENERAL) != 0;
     j.offsets = offsets;
     Py_BEGIN_ALLOW_THREADS
     run_job(&j, decompress_worker, nthreads);
@@ -1186,6 +1395,17 @@ done:
     return result;
 }
 
+static PyObject *py_uzh64(PyObject *self, PyObject *args) {
+    Py_buffer b;
+    if (!PyArg_ParseTuple(args, "y*", &b)) return NULL;
+    uint64_t h;
+    Py_BEGIN_ALLOW_THREADS
+    h = uzh64(b.buf, (size_t)b.len);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&b);
+    return PyLong_FromUnsignedLongLong(h);
+}
+
 static PyObject *py_crc32c(PyObject *self, PyObject *args) {
     Py_buffer b;
     unsigned int init = 0;
@@ -1201,6 +1421,7 @@ static PyObject *py_crc32c(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"compress_blocks", py_compress_blocks, METH_VARARGS, compress_blocks_doc},
     {"decompress_blocks", py_decompress_blocks, METH_VARARGS, decompress_blocks_doc},
+    {"uzh64", py_uzh64, METH_VARARGS, "uzh64(data) -> int: UZH64, the frame checksum (docs/format.md), of a buffer."},
     {"crc32c", py_crc32c, METH_VARARGS, "crc32c(data, init=0) -> int: CRC32C (Castagnoli) of a buffer."},
     {NULL, NULL, 0, NULL},
 };
@@ -1216,6 +1437,7 @@ PyMODINIT_FUNC PyInit__cpu_codec(void) {
 #if defined(__x86_64__) && defined(__GNUC__)
     __builtin_cpu_init();
     have_sse42 = __builtin_cpu_supports("sse4.2");
+    have_avx2 = __builtin_cpu_supports("avx2") && !getenv("UZIP_NO_AVX2");
 #endif
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
