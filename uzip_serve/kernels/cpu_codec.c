@@ -44,6 +44,7 @@ enum { PLANE_RAW = 0, PLANE_CONST = 1, PLANE_HUFF = 2 };
 #else
 #define HOT_PATH
 #endif
+#define NOINLINE __attribute__((noinline))
 
 /* ---- little-endian loads and stores (the format is little-endian everywhere) ---- */
 static inline uint64_t load64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
@@ -338,7 +339,9 @@ static void split_planes(int layout, int itemsize, const uint8_t *src, size_t n,
 }
 
 /* Inverse of split_planes for n elements. */
-static void merge_planes(int layout, int itemsize, const uint8_t *const *planes, size_t n, uint8_t *dst) {
+/* Kept out of decode_block (noinline, its own clones): inlined into that large function the
+ * loops were no longer vectorized, which halved decompress speed. */
+NOINLINE HOT_PATH static void merge_planes(int layout, int itemsize, const uint8_t *const *planes, size_t n, uint8_t *dst) {
     if (layout == LAYOUT_BF16) {
         const uint8_t *e = planes[0], *r = planes[1];
         for (size_t i = 0; i < n; i++) {
