@@ -1,19 +1,19 @@
 """GPU codec benchmark: uzip's CUDA kernels against nvCOMP (ANS, Bitcomp) in the same process.
 
-Data: real tensors (Gemma-3 weights / activations / KV, MiniLM fp32 weights; a slice made
-by `--make-slice` from benchmarks/realdata.py's cache) tiled up to each size, and bf16
-N(0, 0.02) generated on the device. Sizes 1 MiB .. 1 GiB; inputs rotate among several
-copies so they do not sit in L2. CUDA events, median of --repeats runs after warm-up.
-GB/s count ORIGINAL bytes. Every uzip frame is checked bit-exact on the GPU (both decoders),
-and (up to 64 MiB) on the CPU decoder too. Decompress is timed for both GPU decoders:
-uz_dec_wide (d_ms; its single- or pair-lookup build by frame size) and round 3's uz_dec_fast
-(d_fast_ms). Writes codec_gpu.json / codec_gpu.png to --out.
+Data: real tensors (Gemma-3 weights, activations and KV, MiniLM weights in fp32 and bf16; a
+slice made here by `--make-slice` from benchmarks/realdata.py's cache, small enough to carry to
+a GPU machine) tiled up to each size, and bf16 N(0, 0.02) generated on the device. Sizes 1 MiB
+.. 1 GiB; inputs rotate among several copies so they do not sit in L2. CUDA events around each
+call (Python and launch overhead included), median of --repeats runs after warm-up; up to
+64 MiB also the capture-safe calls replayed from CUDA graphs (GPU time alone). GB/s count
+ORIGINAL bytes. Every frame is checked bit-exact on the GPU, and up to 64 MiB GPU frames are
+decoded on the CPU and CPU frames on the GPU. The floor is a kernel that only splits bf16 into
+its two planes (memory speed). Writes codec_gpu.json / codec_gpu.png to --out.
 
+    python -m benchmarks.codec_gpu --make-slice .gpudata/real.safetensors    # here, once
     python -m benchmarks.codec_gpu --data .gpudata/real.safetensors --out docs/benchmarks
 
-Up to 64 MiB it also replays the capture-safe calls from CUDA graphs (GPU time without
-Python: graph_c/d/cd_ms). --crc-micro times crc_par alone; --profile prints per-kernel times
-(torch profiler) and, for a build with -DUZ_PHASES (UZIP_CUDA_CUBIN), block 0's phase marks.
+--hash-micro times UZH64 alone; --profile prints per-kernel GPU times (torch profiler).
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ import torch
 
 import uzip_serve as uz
 from uzip_serve import codec
-from uzip_serve.kernels import cuda as kc
 
 MiB = 1 << 20
 SIZES = [1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB, 1024 * MiB]
+NVCOMP = ("nvcomp-ANS-256K", "nvcomp-ANS-default", "nvcomp-Bitcomp")
 
 SPLIT_SRC = r"""
 extern "C" __global__ void split_bf16(const uint4* __restrict__ in, uint2* __restrict__ e, uint2* __restrict__ m,
@@ -52,14 +52,15 @@ extern "C" __global__ void split_bf16(const uint4* __restrict__ in, uint2* __res
 """
 
 
-def time_ms(fn, inputs, repeats: int, warmup: int = 2) -> float:
+def time_ms(fn, repeats: int, warmup: int = 2) -> float:
+    """Median of `repeats` calls fn(r) timed with CUDA events, after `warmup` calls."""
     for i in range(warmup):
-        fn(inputs[i % len(inputs)], i)
+        fn(i)
     times = []
     for r in range(repeats):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
-        fn(inputs[r % len(inputs)], r)
+        fn(r)
         e.record()
         e.synchronize()
         times.append(s.elapsed_time(e))
@@ -72,81 +73,95 @@ def tile(src: torch.Tensor, nbytes: int) -> torch.Tensor:
     return src.repeat(reps)[:n].contiguous()
 
 
+def make_slice(path: Path) -> None:
+    """A few MB of each real data set, from realdata's cache, for a GPU machine."""
+    from safetensors.torch import save_file
+
+    from benchmarks import realdata
+
+    def sample(tensors, mbytes, dtype):
+        parts, total = [], 0
+        per = max(1, int(mbytes * 1e6 / max(1, len(tensors))))
+        for t in tensors.values():
+            flat = t.reshape(-1).to(dtype)
+            take = flat[: per // flat.element_size()]
+            parts.append(take)
+            total += take.nbytes
+        return torch.cat(parts).contiguous()
+
+    g = realdata.load("gemma_weights")
+    out = {"gemma-weights-bf16": sample(g, 6, torch.bfloat16),
+           "gemma-acts-kv-bf16": sample(realdata.load("gemma_activations"), 6, torch.bfloat16),
+           "minilm-weights-fp32": sample(realdata.load("minilm_weights"), 4, torch.float32)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(out, str(path))
+    print(f"wrote {path}: " + ", ".join(f"{k} {v.nbytes / 1e6:.1f} MB" for k, v in out.items()))
+
+
 def load_real(path: str | None) -> dict[str, torch.Tensor]:
     if not path or not Path(path).exists():
         return {}
     from safetensors.torch import load_file
 
-    t = load_file(path)
-    groups = {"gemma-weights-bf16": [v for k, v in t.items() if k.startswith("gemma.")],
-              "gemma-acts-kv-bf16": [v for k, v in t.items() if k.startswith("act.")],
-              "minilm-weights-fp32": [v for k, v in t.items() if k.startswith("minilm.")]}
-    out = {k: torch.cat([x.reshape(-1) for x in v]) for k, v in groups.items() if v}
+    out = dict(load_file(path))
     if "minilm-weights-fp32" in out:
         out["minilm-weights-bf16"] = out["minilm-weights-fp32"].to(torch.bfloat16)
     return out
 
 
-def ours(x_list, repeats, check_cpu):
-    x = x_list[0]
-    cap = uz.max_compressed_size(x.numel() * x.element_size(), x.dtype)
-    outs = [torch.empty(cap, dtype=torch.uint8, device="cuda") for _ in x_list]
+def ours(xs, repeats: int, check_cpu: bool, graphs: bool) -> dict:
+    x = xs[0]
+    nbytes = x.numel() * x.element_size()
+    cap = uz.max_compressed_size(nbytes, x.dtype)
+    outs = [torch.empty(cap, dtype=torch.uint8, device="cuda") for _ in xs]
     size = torch.zeros(1, dtype=torch.int64, device="cuda")
-    sizes = []
-    for xi, oi in zip(x_list, outs):
-        codec.compress_device_async(xi, oi, size)
-        sizes.append(int(size.item()))
-    n = sizes[0]
-    frame_host = outs[0][:n].cpu().numpy().tobytes()
-    hdr = uz.read_header(frame_host)
-    # bit-exactness: GPU decode, and the CPU decoder on the GPU frame
-    y = codec.decompress_device(outs[0][:n], header=hdr)
-    exact = torch.equal(y.view(torch.uint8), x.view(torch.uint8))
-    if check_cpu:
-        exact &= torch.equal(uz.decompress(frame_host).view(torch.uint8), x.cpu().view(torch.uint8))
-        cframe = uz.compress(x.cpu())
-        exact &= torch.equal(uz.decompress(cframe, device="cuda").view(torch.uint8), x.view(torch.uint8))
-    ys = [torch.empty_like(x) for _ in x_list]
-    c_ms = time_ms(lambda i, r: codec.compress_device_async(x_list[r % len(x_list)], outs[r % len(outs)], size),
-                   list(range(len(x_list))), repeats)
+    sizes = [codec.compress_device(xi, oi) for xi, oi in zip(xs, outs)]
     hdrs = [uz.read_header(o[:m].cpu().numpy().tobytes()) for o, m in zip(outs, sizes)]
-    res = {"ratio": n / (x.numel() * x.element_size()), "c_ms": c_ms, "exact": bool(exact)}
-    # uz_dec_wide, then round 3's uz_dec_fast on the same frames in the same run
-    for key, decoder in (("d_ms", "wide"), ("d_fast_ms", "fast")):
-        kc.DECODER = decoder
-        try:
-            y = codec.decompress_device(outs[0][:n], header=hdr)
-            res["exact"] &= torch.equal(y.view(torch.uint8), x.view(torch.uint8))
-            res[key] = time_ms(lambda i, r: codec.decompress_device(
-                outs[r % len(outs)][:sizes[r % len(outs)]], header=hdrs[r % len(outs)], out=ys[r % len(ys)],
-                check=False), list(range(len(x_list))), repeats)
-        finally:
-            kc.DECODER = "wide"
-    if x.numel() * x.element_size() <= 64 * MiB:
-        res.update(graph_times(x, outs[0], n, hdrs[0], ys[0], repeats))
+    ys = [torch.empty_like(x) for _ in xs]
+    exact = True
+    for xi, oi, m, h, yi in zip(xs, outs, sizes, hdrs, ys):
+        codec.decompress_device(oi[:m], header=h, out=yi)
+        exact &= torch.equal(yi.view(torch.uint8), xi.view(torch.uint8))
+    if check_cpu:
+        frame = outs[0][:sizes[0]].cpu().numpy().tobytes()
+        exact &= torch.equal(uz.decompress(frame).view(torch.uint8), x.cpu().view(torch.uint8))
+        exact &= torch.equal(uz.decompress(uz.compress(x.cpu()), device="cuda").view(torch.uint8), x.view(torch.uint8))
+    k = len(xs)
+    res = {"ratio": sizes[0] / nbytes, "exact": bool(exact), "substream": hdrs[0].substream_elems,
+           "c_ms": time_ms(lambda r: codec.compress_device_async(xs[r % k], outs[r % k], size), repeats),
+           "d_ms": time_ms(lambda r: codec.decompress_device(outs[r % k][:sizes[r % k]], header=hdrs[r % k],
+                                                              out=ys[r % k], check=False), repeats)}
+    if graphs:
+        res.update(graph_times(xs, outs, sizes, hdrs, ys, repeats))
     return res
 
 
-def graph_times(x, out, n, hdr, y, repeats):
-    """The capture-safe path replayed from CUDA graphs (no Python or launch overhead):
-    compress alone, decompress alone, and compress + decompress in one graph."""
+def graph_times(xs, outs, sizes, hdrs, ys, repeats) -> dict:
+    """The capture-safe calls replayed from CUDA graphs (GPU time, no Python or launch
+    overhead): compress alone, decompress alone, and compress + decompress in one graph. One
+    graph per input copy, replayed in turn, so inputs still rotate."""
     size = torch.zeros(1, dtype=torch.int64, device="cuda")
-    decode = lambda: codec.decompress_device(out[:n], header=hdr, out=y, check=False)  # noqa: E731
-    steps = {"c": lambda: codec.compress_device_async(x, out, size), "d": decode, "d_fast": decode,
-             "cd": lambda: (codec.compress_device_async(x, out, size), decode())}
+
+    def steps(i):
+        dec = lambda: codec.decompress_device(outs[i][:sizes[i]], header=hdrs[i], out=ys[i], check=False)  # noqa: E731
+        enc = lambda: codec.compress_device_async(xs[i], outs[i], size)  # noqa: E731
+        return {"c": enc, "d": dec, "cd": lambda: (enc(), dec())}
+
     res = {}
-    for key, fn in steps.items():
-        kc.DECODER = "fast" if key == "d_fast" else "wide"  # the choice is made at capture
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        res[f"graph_{key}_ms"] = time_ms(lambda i, r: g.replay(), [0], max(repeats, 20))
-    kc.DECODER = "wide"
+    for key in ("c", "d", "cd"):
+        graphs = []
+        for i in range(len(xs)):
+            fn = steps(i)[key]
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                fn()
+            torch.cuda.current_stream().wait_stream(s)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                fn()
+            graphs.append(g)
+        res[f"graph_{key}_ms"] = time_ms(lambda r: graphs[r % len(graphs)].replay(), max(repeats, 20))
     torch.cuda.synchronize()
     return res
 
@@ -158,41 +173,113 @@ def nvcomp_configs(dtype):
             "nvcomp-Bitcomp": dict(algorithm="Bitcomp")}
 
 
-def run_nvcomp(nvcomp, kw, x_list, repeats):
+def run_nvcomp(nvcomp, kw, xs, repeats) -> dict:
+    """nvCOMP through its Python API (nvidia.nvcomp.Codec), which allocates each output."""
     try:
         cdc = nvcomp.Codec(**kw)
-    except Exception as e:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - an older nvCOMP without the type hint
         kw = {k: v for k, v in kw.items() if k != "data_type"}
         cdc = nvcomp.Codec(**kw)
-    arrs = [nvcomp.as_array(x.view(torch.uint8)) for x in x_list]
+    arrs = [nvcomp.as_array(x.view(torch.uint8)) for x in xs]
     encs = [cdc.encode(a) for a in arrs]
     torch.cuda.synchronize()
-    dec = cdc.decode(encs[0])
+    back = torch.as_tensor(cdc.decode(encs[0]), device="cuda").view(torch.uint8).reshape(-1)
     torch.cuda.synchronize()
-    back = torch.as_tensor(dec, device="cuda").view(torch.uint8).reshape(-1)
-    exact = torch.equal(back, x_list[0].view(torch.uint8).reshape(-1))
-    nbytes = x_list[0].numel() * x_list[0].element_size()
-    ratio = encs[0].buffer_size / nbytes
-    c_ms = time_ms(lambda i, r: cdc.encode(arrs[r % len(arrs)]), list(range(len(arrs))), repeats)
-    d_ms = time_ms(lambda i, r: cdc.decode(encs[r % len(encs)]), list(range(len(encs))), repeats)
-    return {"ratio": ratio, "c_ms": c_ms, "d_ms": d_ms, "exact": bool(exact), "kw": str(kw)}
+    nbytes = xs[0].numel() * xs[0].element_size()
+    k = len(xs)
+    return {"ratio": encs[0].buffer_size / nbytes, "kw": str(kw),
+            "exact": bool(torch.equal(back, xs[0].view(torch.uint8).reshape(-1))),
+            "c_ms": time_ms(lambda r: cdc.encode(arrs[r % k]), repeats),
+            "d_ms": time_ms(lambda r: cdc.decode(encs[r % k]), repeats)}
 
 
-def split_floor(x_list, repeats):
+def split_floor(xs, repeats) -> dict:
+    """The memory floor: split bf16 into its exponent and sign+mantissa planes, nothing else."""
     import cupy
 
-    k = cupy.RawKernel(SPLIT_SRC, "split_bf16")
-    x = x_list[0]
-    n16 = x.numel() * 2 // 16
-    e = torch.empty(x.numel(), dtype=torch.uint8, device="cuda")
+    kern = cupy.RawKernel(SPLIT_SRC, "split_bf16")
+    n16 = xs[0].numel() * 2 // 16
+    e = torch.empty(xs[0].numel(), dtype=torch.uint8, device="cuda")
     m = torch.empty_like(e)
     stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
 
-    def go(i, r):
-        xi = x_list[r % len(x_list)]
-        k((132 * 16,), (256,), (xi.data_ptr(), e.data_ptr(), m.data_ptr(), cupy.uint64(n16)), stream=stream)
+    def go(r):
+        kern((sms * 16,), (256,), (xs[r % len(xs)].data_ptr(), e.data_ptr(), m.data_ptr(), cupy.uint64(n16)),
+             stream=stream)
 
-    return {"ms": time_ms(go, [0], repeats)}
+    return {"ms": time_ms(go, repeats)}
+
+
+def gbps(nbytes: int, ms: float) -> float:
+    return nbytes / ms / 1e6
+
+
+def report(row: dict) -> None:
+    size, u = row["bytes"], row["uzip"]
+    line = (f"{row['data']:22s} {size // MiB:5d} MiB  uzip r={u['ratio']:.4f} S={u['substream']:4d} "
+            f"c={gbps(size, u['c_ms']):7.1f} GB/s ({u['c_ms'] * 1e3:7.1f} us) "
+            f"d={gbps(size, u['d_ms']):7.1f} GB/s ({u['d_ms'] * 1e3:7.1f} us) exact={u['exact']}")
+    if "graph_c_ms" in u:
+        line += f"  graph c/d/c+d {u['graph_c_ms'] * 1e3:.1f}/{u['graph_d_ms'] * 1e3:.1f}/{u['graph_cd_ms'] * 1e3:.1f} us"
+    print(line, flush=True)
+    for cname in NVCOMP:
+        r = row.get(cname)
+        if r and "ratio" in r:
+            print(f"{'':33s}{cname:18s} r={r['ratio']:.4f} c={gbps(size, r['c_ms']):7.1f} d={gbps(size, r['d_ms']):7.1f}"
+                  f" GB/s ({r['c_ms'] * 1e3:.1f} / {r['d_ms'] * 1e3:.1f} us) exact={r['exact']}", flush=True)
+        elif r:
+            print(f"{'':33s}{cname}: {r['error']}")
+    if "split-floor" in row:
+        print(f"{'':33s}split floor {gbps(size, row['split-floor']['ms']):7.1f} GB/s")
+
+
+def machine() -> dict:
+    stamp = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
+             "python": platform.python_version(), "format": uz.FORMAT_VERSION}
+    try:
+        import cupy
+
+        stamp["cupy"] = cupy.__version__
+        stamp["driver"] = cupy.cuda.runtime.driverGetVersion()
+        import subprocess
+
+        stamp["driver_version"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                                 capture_output=True, text=True).stdout.strip()
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        from importlib.metadata import version
+
+        stamp["nvcomp"] = version("nvidia-nvcomp-cu13")
+    except Exception:  # noqa: BLE001
+        pass
+    return stamp
+
+
+def plot(results, stamp, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    rows = [r for r in results if r["data"] == "normal-bf16"]
+    for ax, key, title in ((axes[0], "c_ms", "compress"), (axes[1], "d_ms", "decompress")):
+        for cname in ("uzip",) + NVCOMP:
+            pts = [(r["bytes"] / MiB, gbps(r["bytes"], r[cname][key])) for r in rows if key in r.get(cname, {})]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=cname)
+        pts = [(r["bytes"] / MiB, gbps(r["bytes"], r["split-floor"]["ms"])) for r in rows if "split-floor" in r]
+        if pts:
+            ax.plot(*zip(*pts), linestyle=":", color="gray", label="split only (memory floor)")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("MiB (bf16 N(0, 0.02))")
+        ax.set_ylabel("GB/s of original bytes")
+        ax.set_title(f"{title}, {stamp['gpu']}")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "codec_gpu.png", dpi=110)
 
 
 def main(argv=None):
@@ -200,19 +287,26 @@ def main(argv=None):
     ap.add_argument("--data", default=".gpudata/real.safetensors")
     ap.add_argument("--out", default="docs/benchmarks")
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--sizes", default=",".join(str(s // MiB) for s in SIZES))
+    ap.add_argument("--sizes", default=",".join(str(s // MiB) for s in SIZES), help="MiB, comma-separated")
     ap.add_argument("--no-nvcomp", action="store_true")
     ap.add_argument("--only", default="", help="comma-separated data names (default: all)")
-    ap.add_argument("--crc-micro", action="store_true", help="time crc_par alone (1 GiB in 128 KiB segments)")
-    ap.add_argument("--profile", action="store_true", help="per-kernel times (torch profiler) at 1 MiB and 256 MiB")
+    ap.add_argument("--make-slice", metavar="PATH", help="write the real-data slice for a GPU machine and exit")
+    ap.add_argument("--hash-micro", action="store_true", help="time UZH64 alone (1 GiB in 128 KiB segments)")
+    ap.add_argument("--profile", action="store_true", help="per-kernel GPU times at 1 MiB and 256 MiB")
+    ap.add_argument("--phases", action="store_true",
+                    help="cycles per kernel phase (needs UZIP_CUDA_CUBIN built with -DUZ_PHASES)")
     args = ap.parse_args(argv)
-    if args.crc_micro:
-        return crc_micro(args.repeats)
+    if args.make_slice:
+        return make_slice(Path(args.make_slice))
+    if args.hash_micro:
+        return hash_micro(args.repeats)
     if args.profile:
         return profile_kernels()
+    if args.phases:
+        return phases([int(s) * MiB for s in args.sizes.split(",")], args.repeats)
     sizes = [int(s) * MiB for s in args.sizes.split(",")]
     torch.manual_seed(0)
-    base = {"normal-bf16": (torch.randn(64 * MiB, device="cuda") * 0.02).to(torch.bfloat16)}
+    base = {"normal-bf16": None}
     base.update({k: v.cuda() for k, v in load_real(args.data).items()})
     nvcomp = None
     if not args.no_nvcomp:
@@ -222,22 +316,19 @@ def main(argv=None):
             nvcomp = _nv
         except ImportError as e:
             print("nvCOMP unavailable:", e)
-    results = []
     only = [o for o in args.only.split(",") if o]
+    results = []
     for name, src in base.items():
         if only and name not in only:
             continue
         for size in sizes:
             if name != "normal-bf16" and size > 256 * MiB:
                 continue
-            if name == "normal-bf16" and size > src.numel() * 2:
-                x0 = (torch.randn(size // 2, device="cuda") * 0.02).to(torch.bfloat16)
-            else:
-                x0 = tile(src, size)
+            x0 = (torch.randn(size // 2, device="cuda") * 0.02).to(torch.bfloat16) if src is None else tile(src, size)
             copies = max(2, min(4, (2048 * MiB) // size))
             xs = [x0] + [x0.roll(i * 4099) for i in range(1, copies)]
             row = {"data": name, "dtype": str(x0.dtype).removeprefix("torch."), "bytes": size}
-            row["uzip"] = ours(xs, args.repeats, check_cpu=size <= 64 * MiB)
+            row["uzip"] = ours(xs, args.repeats, check_cpu=size <= 64 * MiB, graphs=size <= 64 * MiB)
             if x0.dtype == torch.bfloat16:
                 row["split-floor"] = split_floor(xs, args.repeats)
             if nvcomp is not None and (name == "normal-bf16" or size in (MiB, 64 * MiB)):
@@ -247,81 +338,70 @@ def main(argv=None):
                     except Exception as e:  # noqa: BLE001
                         row[cname] = {"error": repr(e)[:200]}
             results.append(row)
-            u = row["uzip"]
-            print(f"{name:22s} {size // MiB:5d} MiB  uzip r={u['ratio']:.4f} c={size / u['c_ms'] / 1e6:7.1f} GB/s "
-                  f"({u['c_ms'] * 1e3:8.1f} us) d={size / u['d_ms'] / 1e6:7.1f} GB/s ({u['d_ms'] * 1e3:8.1f} us) "
-                  f"[d old {size / u['d_fast_ms'] / 1e6:7.1f}] exact={u['exact']}" + (f" graph c/d/d_old/cd {u['graph_c_ms'] * 1e3:.1f}/{u['graph_d_ms'] * 1e3:.1f}/"
-                                            f"{u['graph_d_fast_ms'] * 1e3:.1f}/"
-                                            f"{u['graph_cd_ms'] * 1e3:.1f} us" if "graph_c_ms" in u else ""),
-                  flush=True)
-            for cname in ("nvcomp-ANS-256K", "nvcomp-ANS-default", "nvcomp-Bitcomp"):
-                r = row.get(cname)
-                if r and "ratio" in r:
-                    print(f"{'':22s} {'':9s}  {cname:18s} r={r['ratio']:.4f} c={size / r['c_ms'] / 1e6:7.1f} "
-                          f"d={size / r['d_ms'] / 1e6:7.1f} GB/s ({r['c_ms'] * 1e3:.1f} / {r['d_ms'] * 1e3:.1f} us)"
-                          f" exact={r['exact']}", flush=True)
-                elif r:
-                    print(f"{'':33s}{cname}: {r['error']}")
-            if "split-floor" in row:
-                print(f"{'':33s}split floor {size / row['split-floor']['ms'] / 1e6:7.1f} GB/s")
+            report(row)
             del xs, x0
             torch.cuda.empty_cache()
-    stamp = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
-             "python": platform.python_version()}
-    try:
-        import cupy
-
-        stamp["cupy"] = cupy.__version__
-        stamp["driver"] = cupy.cuda.runtime.driverGetVersion()
-    except Exception:  # noqa: BLE001
-        pass
+    stamp = machine()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "codec_gpu.json").write_text(json.dumps({"machine": stamp, "results": results}, indent=1))
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-        rows = [r for r in results if r["data"] == "normal-bf16"]
-        xs_ = [r["bytes"] / MiB for r in rows]
-        for ax, key, title in ((axes[0], "c_ms", "compress"), (axes[1], "d_ms", "decompress")):
-            for cname in ("uzip", "nvcomp-ANS-256K", "nvcomp-ANS-default", "nvcomp-Bitcomp"):
-                pts = [(x, r["bytes"] / r[cname][key] / 1e6) for x, r in zip(xs_, rows)
-                       if cname in r and key in r[cname]]
-                if pts:
-                    ax.plot(*zip(*pts), marker="o", label=cname)
-            if key == "d_ms":  # the round-3 decoder, same frames, same run
-                pts = [(x, r["bytes"] / r["uzip"]["d_fast_ms"] / 1e6) for x, r in zip(xs_, rows)
-                       if "d_fast_ms" in r["uzip"]]
-                ax.plot(*zip(*pts), marker="x", linestyle="--", label="uzip, uz_dec_fast (round 3)")
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("MiB (bf16 N(0,0.02))")
-            ax.set_ylabel("GB/s of original bytes")
-            ax.set_title(f"{title} on {stamp['gpu']}")
-            ax.legend()
-        fig.tight_layout()
-        fig.savefig(out / "codec_gpu.png", dpi=110)
+        plot(results, stamp, out)
     except Exception as e:  # noqa: BLE001
         print("no plot:", e)
 
 
-def crc_micro(repeats):
-    """crc_par's throughput and correctness on its own (the variant timing for CRC_SLICE)."""
-    from uzip_serve.kernels import cuda as kc
+def hash_micro(repeats):
+    """UZH64 alone, against the specification's numpy version on the first segments."""
+    from uzip_serve import format as fmt
 
-    crc = uz.codec.get_backend("cpu").crc32c
+    gpu = codec.get_backend("cuda")
     g = torch.Generator(device="cuda").manual_seed(1)
     data = torch.randint(0, 256, (1 << 30,), dtype=torch.uint8, device="cuda", generator=g)
     for seg in (128 * 1024, 87 * 1024 + 5):
-        got = kc.crc32c_segments(data, seg)
+        got = gpu.hash_segments(data, seg)
         head = data[: 3 * seg].cpu().numpy().tobytes()
-        ok = all((int(got[i]) & 0xFFFFFFFF) == crc(head[i * seg:(i + 1) * seg]) for i in range(3))
-        ms = time_ms(lambda i, r: kc.crc32c_segments(data, seg), [0], repeats)
-        print(f"CRC_SLICE={kc.CRC_SLICE} seg={seg} crc_par {data.numel() / ms / 1e6:7.1f} GB/s  correct={ok}",
-              flush=True)
+        ok = all((int(got[i]) & ((1 << 64) - 1)) == fmt.uzh64_reference(head[i * seg:(i + 1) * seg]) for i in range(3))
+        ms = time_ms(lambda r: gpu.hash_segments(data, seg), repeats)
+        print(f"UZH64 seg={seg}: {gbps(data.numel(), ms):7.1f} GB/s  correct={ok}", flush=True)
+
+
+ENC_MARKS = ["read+hist", "hist reduce+sort", "lengths (thread 0)", "codes+bits", "sizes+scan", "layout",
+             "look-back", "headers+RAW planes", "HUFF streams+hash", "", "", "", "", "", "sums+entry"]
+DEC_MARKS = ["entry", "window", "parse", "LUT", "decode", "merge", "hash rest", "", "", "", "", "", "", "",
+             "sums"]
+
+
+def phases(sizes, repeats):
+    """Mean cycles of thread 0 between the phase marks of cuda_codec.cu (a -DUZ_PHASES build)."""
+    import cupy
+
+    gpu = codec.get_backend("cuda")
+    gpu.load(0)
+    acc = cupy.ndarray((2, 16), dtype=cupy.uint64, memptr=gpu._rt.module(0).get_global("uz_phase_cycles"))
+    for size in sizes:
+        x = (torch.randn(size // 2, device="cuda") * 0.02).to(torch.bfloat16)
+        out = torch.empty(uz.max_compressed_size(size, x.dtype), dtype=torch.uint8, device="cuda")
+        n = codec.compress_device(x, out)
+        hdr = uz.read_header(out[:n].cpu().numpy().tobytes())
+        y = torch.empty_like(x)
+        codec.decompress_device(out[:n], header=hdr, out=y)
+        torch.cuda.synchronize()
+        acc.fill(0)
+        size_t = torch.zeros(1, dtype=torch.int64, device="cuda")
+        c_ms = time_ms(lambda r: codec.compress_device_async(x, out, size_t), repeats, warmup=0)
+        d_ms = time_ms(lambda r: codec.decompress_device(out[:n], header=hdr, out=y, check=False), repeats, warmup=0)
+        a = acc.get().astype("float64")
+        print(f"--- {size // MiB} MiB bf16: compress {c_ms * 1e3:.1f} us, decompress {d_ms * 1e3:.1f} us "
+              f"(one call each; {hdr.num_blocks} blocks)")
+        for k, (marks, ms) in enumerate(((ENC_MARKS, c_ms), (DEC_MARKS, d_ms))):
+            blocks = max(1.0, a[k][15])
+            per = a[k][:15] / blocks
+            total = per.sum()
+            print(f"  {'encoder' if k == 0 else 'decoder'}: {total:8.0f} cycles per block (thread 0), "
+                  f"{blocks / repeats:.0f} blocks per call")
+            print("    " + "  ".join(f"{m}={v:.0f}" for m, v in zip(marks, per) if m and v))
+        del x, out, y
 
 
 def profile_kernels():
@@ -329,11 +409,9 @@ def profile_kernels():
 
     for mib in (1, 256):
         x = (torch.randn(mib << 19, device="cuda") * 0.02).bfloat16()
-        cap = uz.max_compressed_size(x.numel() * 2, x.dtype)
-        out = torch.empty(cap, dtype=torch.uint8, device="cuda")
+        out = torch.empty(uz.max_compressed_size(x.numel() * 2, x.dtype), dtype=torch.uint8, device="cuda")
         size = torch.zeros(1, dtype=torch.int64, device="cuda")
-        codec.compress_device_async(x, out, size)
-        n = int(size.item())
+        n = codec.compress_device(x, out)
         hdr = uz.read_header(out[:n].cpu().numpy().tobytes())
         y = torch.empty_like(x)
         codec.decompress_device(out[:n], header=hdr, out=y)
@@ -345,26 +423,6 @@ def profile_kernels():
             torch.cuda.synchronize()
         print(f"--- {mib} MiB bf16, 5 x (compress + decompress)")
         print(p.key_averages().table(sort_by="cuda_time_total", row_limit=10, max_name_column_width=28))
-        print_phases()
-
-
-def print_phases():
-    """Block 0's phase marks (a build with -DUZ_PHASES): cycles between marks, and the clock."""
-    try:
-        import cupy
-
-        from uzip_serve.kernels import cuda as kc
-
-        ptr = kc._module(0).get_global("UZ_PH")
-    except Exception:  # noqa: BLE001 - not an instrumented build
-        return
-    ph = cupy.ndarray((3, 16), dtype=cupy.uint64, memptr=ptr).get().astype("int64")
-    for row, name in enumerate(("uz_dec_fast", "uz_enc_stats", "uz_enc_write")):
-        marks = [int(v) for v in ph[row][:14] if v]
-        ns = int(ph[row][15] - ph[row][14])
-        mhz = (marks[-1] - marks[0]) / ns * 1e3 if ns > 0 and len(marks) > 1 else 0
-        print(f"  phases {name}: cycles between marks {[b - a for a, b in zip(marks, marks[1:])]} "
-              f"total {marks[-1] - marks[0] if marks else 0} = {ns / 1e3:.1f} us at {mhz:.0f} MHz")
 
 
 if __name__ == "__main__":

@@ -1,37 +1,71 @@
-"""GPU codec (uzip_serve/kernels/cuda_codec.cu): bit-exact with the CPU codec both ways,
-and every corruption class raises FrameError. Skips cleanly without CuPy or a CUDA GPU."""
+"""The GPU codec (uzip_serve/kernels/cuda_codec.cu) against the CPU codec, both ways, bit for
+bit, and every corruption class raising FrameError on the GPU path.
+
+The same kernels run on two targets:
+  - "sim": the SIMT emulator (tests/simt) compiles the CUDA source as C++ and runs it on the
+    CPU, block and warp semantics included: CI checks the kernels' logic on every change;
+  - "cuda": a real GPU through CuPy, skipped cleanly without one (run on the device machine).
+Sizes are smaller on the emulator, which runs a CUDA thread as a fiber.
+"""
 
 import os
 import random
-from pathlib import Path
+import struct
 
 import pytest
 import torch
 
-pytest.importorskip("cupy")
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA GPU", allow_module_level=True)
+import uzip_serve as uz
+from uzip_serve import format as fmt
+from uzip_serve.kernels import cuda as kc
 
-import uzip_serve as uz  # noqa: E402
-from uzip_serve import codec  # noqa: E402
-from uzip_serve import format as fmt  # noqa: E402
+from tests import test_codec_corruption as corr
 
-from tests import test_codec_corruption as corr  # noqa: E402
-
-DEV = torch.device("cuda")
 ALL_DTYPES = [getattr(torch, d.name) for d in fmt.DTYPES_BY_CODE.values() if hasattr(torch, d.name)]
-SIZES = [0, 1, 7, 16, 255, 1000, 4096, 65535, 65536, 65537, 200_003]
 
 
-@pytest.fixture(autouse=True, params=["wide", "wide-pair", "fast"])
-def decoder(request, monkeypatch):
-    """Every test runs with every decoder build: "wide" takes single-symbol lookups for the
-    small frames here, "wide-pair" forces the pair build that large frames get, "fast" is
-    round 3's decoder; each must read exactly the frames the CPU reads."""
-    from uzip_serve.kernels import cuda as kc
+class Target:
+    """Where the kernels run: compress a host tensor into a GPU-made frame (bytes), decode a
+    frame with the GPU decoder into a host tensor."""
 
-    monkeypatch.setattr(kc, "DECODER", request.param)
-    return request.param
+    def __init__(self, kind: str):
+        self.kind = kind
+        if kind == "sim":
+            from simt.build import compiler
+            if compiler() is None:
+                pytest.skip("no C++ compiler for the SIMT emulator")
+            from simt.codec_runtime import SimRuntime
+
+            self.codec = kc.CudaCodec(runtime=SimRuntime())
+            self.dev = torch.device("cpu")
+            self.sizes = [0, 1, 7, 16, 255, 1000, 4096, 65536, 65537 + 300]
+        else:
+            pytest.importorskip("cupy")
+            if not torch.cuda.is_available():
+                pytest.skip("no CUDA GPU")
+            self.codec = uz.codec.get_backend("cuda")
+            self.dev = torch.device("cuda")
+            self.sizes = [0, 1, 7, 16, 255, 1000, 4096, 65535, 65536, 65537, 200_003, 1 << 21]
+
+    def compress(self, x: torch.Tensor) -> bytes:
+        xd = x.to(self.dev)
+        if self.kind == "cuda":
+            return bytes(uz.compress(xd))  # the public dispatch path
+        out = torch.empty(uz.max_compressed_size(xd.numel() * xd.element_size(), xd.dtype), dtype=torch.uint8)
+        n = self.codec.compress_device(xd, out)
+        return out[:n].numpy().tobytes()
+
+    def decompress(self, frame) -> torch.Tensor:
+        if self.kind == "cuda":
+            return uz.decompress(frame, device="cuda").cpu()
+        header = uz.read_header(frame)
+        buf = torch.frombuffer(bytearray(frame), dtype=torch.uint8)
+        return self.codec.decompress_device(buf, header).cpu()
+
+
+@pytest.fixture(scope="module", params=["sim", "cuda"])
+def gpu(request):
+    return Target(request.param)
 
 
 def bits(t):
@@ -46,133 +80,109 @@ def random_tensor(dtype, n, seed=0, kind="bits"):
     return raw.view(dtype) if n else torch.empty(0, dtype=dtype)
 
 
-def check_both_ways(x):
+def check_both_ways(gpu, x):
     """GPU frame -> CPU and GPU decoders; CPU frame -> GPU decoder; all bit-exact."""
-    xg = x.to(DEV)
-    gframe = uz.compress(xg)
-    fmt.parse_header(gframe, uz.codec.get_backend("cpu").crc32c)
+    gframe = gpu.compress(x)
+    fmt.parse_header(gframe, uz.codec.get_backend("cpu").uzh64)
     y_cpu = uz.decompress(gframe)
     assert y_cpu.dtype == x.dtype and tuple(y_cpu.shape) == tuple(x.shape)
     assert torch.equal(bits(y_cpu), bits(x)), "GPU frame decoded wrong on the CPU"
-    y_gpu = uz.decompress(gframe, device="cuda")
-    assert y_gpu.is_cuda and torch.equal(bits(y_gpu), bits(x)), "GPU frame decoded wrong on the GPU"
-    cframe = uz.compress(x)
-    y2 = uz.decompress(cframe, device="cuda")
-    assert y2.is_cuda and torch.equal(bits(y2), bits(x)), "CPU frame decoded wrong on the GPU"
+    y_gpu = gpu.decompress(gframe)
+    assert tuple(y_gpu.shape) == tuple(x.shape) and torch.equal(bits(y_gpu), bits(x)), "GPU frame wrong on the GPU"
+    cframe = bytes(uz.compress(x))
+    y2 = gpu.decompress(cframe)
+    assert torch.equal(bits(y2), bits(x)), "CPU frame decoded wrong on the GPU"
     return gframe, cframe
 
 
-def test_crc_par_matches_cpu():
-    """The slot-parallel CRC32C (crc_par) against the CPU at every alignment and at lengths
-    around its 128-byte slots and 512-thread rounds."""
-    from uzip_serve.kernels import cuda as kc
-
-    crc = uz.codec.get_backend("cpu").crc32c
-    g = torch.Generator().manual_seed(5)
-    buf = torch.randint(0, 256, (300_000,), dtype=torch.uint8, generator=g)
-    dev = buf.to(DEV)
-    for off in (0, 1, 2, 3, 5, 8, 15):
-        for n in (0, 1, 3, 4, 17, 127, 128, 129, 255, 1000, 65535, 65536, 65537, 131072 + 17, 200_000):
-            got = kc.crc32c_segments(dev[off:off + n], max(n, 1))
-            assert (int(got[0]) & 0xFFFFFFFF) == crc(buf[off:off + n].numpy().tobytes()), (off, n)
-    segs = kc.crc32c_segments(dev[3:], 1000)
-    for i in range(0, segs.numel(), 37):
-        assert (int(segs[i]) & 0xFFFFFFFF) == crc(buf[3 + 1000 * i:3 + 1000 * (i + 1)].numpy().tobytes())
-
-
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
-def test_every_dtype_every_size(dtype):
-    for i, n in enumerate(SIZES):
+def test_every_dtype_every_size(gpu, dtype):
+    for i, n in enumerate(gpu.sizes):
         for kind in ("bits", "normal"):
-            check_both_ways(random_tensor(dtype, n, seed=i, kind=kind))
+            check_both_ways(gpu, random_tensor(dtype, n, seed=i, kind=kind))
 
 
-def test_shapes_and_strided():
-    x = (torch.randn(3, 5, 70, 300) * 0.02).to(torch.bfloat16)
-    check_both_ways(x)
-    check_both_ways(x.transpose(1, 3))  # non-contiguous: gathered first
-    check_both_ways(torch.tensor(1.5, dtype=torch.float32))  # 0-d
+def test_shapes_and_strided(gpu):
+    x = (torch.randn(3, 5, 70, 30) * 0.02).to(torch.bfloat16)
+    check_both_ways(gpu, x)
+    check_both_ways(gpu, x.transpose(1, 3))  # non-contiguous: gathered first
+    check_both_ways(gpu, torch.tensor(1.5, dtype=torch.float32))  # 0-d
 
 
 @pytest.mark.parametrize("maker", [
-    lambda: torch.zeros(200_000, dtype=torch.bfloat16),
-    lambda: torch.full((150_000,), 3.0, dtype=torch.float16),
+    lambda: torch.zeros(70_000, dtype=torch.bfloat16),
+    lambda: torch.full((70_000,), 3.0, dtype=torch.float16),
     lambda: torch.full((70_000,), -0.0, dtype=torch.float32),
-    lambda: torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0] * 40_000, dtype=torch.float32),
-    lambda: (torch.randn(300_000) * 1e-3).to(torch.float32),
-    lambda: torch.randn(300_000).to(torch.float16),
-    lambda: (torch.randn(300_000) * 50).to(torch.bfloat16),
-    lambda: torch.where(torch.rand(300_000) < 0.9, 0.0, torch.randn(300_000)).to(torch.float32),  # sparse
-], ids=["zeros", "const-fp16", "negzero", "specials", "fp32", "fp16", "bf16-wide", "sparse-fp32"])
-def test_special_tensors(maker):
-    check_both_ways(maker())
+    lambda: torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0] * 17_000, dtype=torch.float32),
+    lambda: (torch.randn(70_000) * 1e-3).to(torch.float32),
+    lambda: torch.randn(70_000).to(torch.float16),
+    lambda: (torch.randn(70_000) * 50).to(torch.bfloat16),
+    lambda: torch.where(torch.rand(70_000) < 0.9, 0.0, torch.randn(70_000)).to(torch.float32),  # SPARSE on the CPU
+    lambda: torch.randint(0, 5, (70_000,)).to(torch.int64),  # several coded planes on the CPU
+], ids=["zeros", "const-fp16", "negzero", "specials", "fp32", "fp16", "bf16-wide", "sparse-fp32", "small-ints"])
+def test_special_tensors(gpu, maker):
+    torch.manual_seed(0)
+    check_both_ways(gpu, maker())
 
 
-def test_real_tensors():
-    """Real Gemma-3 / MiniLM tensors: the slice benchmarks/codec_gpu.py uses
-    ($UZIP_GPU_DATA, default .gpudata/real.safetensors), else the realdata cache."""
-    path = Path(os.environ.get("UZIP_GPU_DATA", Path(__file__).resolve().parents[1] / ".gpudata/real.safetensors"))
-    if path.exists():
+def test_real_tensors(gpu, realdata):
+    """Real Gemma-3 and MiniLM tensors in their dtype, bf16 and fp16 (on the emulator, the first
+    140k elements of a few). On a GPU machine, $UZIP_GPU_DATA names the carried slice
+    (benchmarks/codec_gpu.py --make-slice) instead of the realdata cache."""
+    if os.environ.get("UZIP_GPU_DATA"):
         from safetensors.torch import load_file
 
-        tensors = load_file(str(path))
+        tensors = load_file(os.environ["UZIP_GPU_DATA"])
     else:
-        from benchmarks import realdata as rd
-
-        try:
-            tensors = {**rd.load("minilm_weights"), **rd.load("gemma_activations")}
-        except Exception as e:  # noqa: BLE001
-            pytest.skip(f"no real tensors here: {e}")
-    assert tensors
-    for key, t in tensors.items():
+        tensors = {**realdata("minilm_weights"), **realdata("gemma_activations")}
+    items = list(tensors.items())
+    if gpu.kind == "sim":
+        items = [(k, t.reshape(-1)[:140_000]) for k, t in items[::max(1, len(items) // 4)]]
+    for _, t in items:
         for dt in {t.dtype, torch.bfloat16, torch.float16}:
-            check_both_ways(t.to(dt).contiguous())
+            check_both_ways(gpu, t.to(dt).contiguous())
 
 
-def test_device_api_and_capture_safe_variant():
-    x = (torch.randn(1 << 20, device=DEV) * 0.02).to(torch.bfloat16)
-    cap = uz.max_compressed_size(x.numel() * 2, x.dtype)
-    out = torch.empty(cap, dtype=torch.uint8, device=DEV)
-    n = codec.compress_device(x, out)
-    assert torch.equal(bits(codec.decompress_device(out[:n])), bits(x))
-    # capture-safe: size in device memory, no sync; also inside a CUDA graph
-    size = torch.zeros(1, dtype=torch.int64, device=DEV)
-    out2 = torch.zeros_like(out)
-    codec.compress_device_async(x, out2, size)
-    torch.cuda.synchronize()
-    assert int(size.item()) == n and torch.equal(out2[:n].cpu(), out[:n].cpu())
-    out3 = torch.zeros_like(out)
-    size3 = torch.zeros(1, dtype=torch.int64, device=DEV)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        codec.compress_device_async(x, out3, size3)  # warm-up outside the graph
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    out3.zero_()
-    with torch.cuda.graph(g):
-        codec.compress_device_async(x, out3, size3)
-    g.replay()
-    torch.cuda.synchronize()
-    assert int(size3.item()) == n and torch.equal(out3[:n].cpu(), out[:n].cpu())
-    # decode without a host sync: errors come back as a device word
-    hdr = uz.read_header(out[:n].cpu().numpy().tobytes())
-    y, err = codec.decompress_device(out[:n], header=hdr, check=False)
-    assert int(err.item()) == -1 and torch.equal(bits(y), bits(x))
+def test_frames_do_not_depend_on_scheduling():
+    """GPU frames are a function of the tensor alone: the emulator with 1 and 5 CUDA blocks in
+    flight (the look-back then waits, or never does) writes the same bytes, and where a GPU is
+    present, so does the GPU. So the emulator checks exactly the code the GPU runs."""
+    from simt.build import compiler
+
+    if compiler() is None:
+        pytest.skip("no C++ compiler for the SIMT emulator")
+    from simt.codec_runtime import SimRuntime
+
+    x = (torch.randn(300_000, generator=torch.Generator().manual_seed(3)) * 0.02).to(torch.bfloat16)
+    cap = uz.max_compressed_size(x.nbytes, x.dtype)
+    frames = []
+    for conc in (1, 5):
+        out = torch.empty(cap, dtype=torch.uint8)
+        n = kc.CudaCodec(runtime=SimRuntime(concurrent_blocks=conc)).compress_device(x, out)
+        frames.append(out[:n].numpy().tobytes())
+    assert frames[0] == frames[1]
+    if torch.cuda.is_available():
+        pytest.importorskip("cupy")
+        assert bytes(uz.compress(x.cuda())) == frames[0]
 
 
-def test_compress_into_host_buffer():
-    x = (torch.randn(100_000, device=DEV) * 0.02).to(torch.bfloat16)
-    buf = bytearray(uz.max_compressed_size(x.numel() * 2, x.dtype))
-    n = uz.compress_into(x, buf)
-    assert torch.equal(bits(uz.decompress(buf[:n])), bits(x))
+def test_hash_segments_match_the_specification(gpu):
+    g = torch.Generator().manual_seed(5)
+    buf = torch.randint(0, 256, (20_000,), dtype=torch.uint8, generator=g)
+    data = buf.to(gpu.dev)
+    for off in (0, 3, 16):
+        for seg, span in ((1, 40), (15, 600), (16, 600), (17, 600), (1000, 20_000), (8192, 20_000)):
+            got = gpu.codec.hash_segments(data[off:span], seg).cpu()
+            for i in (0, 1, got.numel() - 1):
+                want = fmt.uzh64_reference(buf[off + seg * i: min(span, off + seg * (i + 1))].numpy().tobytes())
+                assert (int(got[i]) & ((1 << 64) - 1)) == want, (off, seg, i)
 
 
-# ---- corruption: every class from tests/test_codec_corruption.py, decoded on the GPU ----
+# ---- corruption: every class of tests/test_codec_corruption.py, decoded on the GPU ----
 
-def gpu_decode_exact_or_error(original, frame) -> bool:
+def gpu_decode_exact_or_error(gpu, original, frame) -> bool:
     try:
-        y = uz.decompress(frame, device="cuda")
+        y = gpu.decompress(frame)
     except uz.FrameError:
         return False
     assert y.dtype == original.dtype and tuple(y.shape) == tuple(original.shape)
@@ -180,51 +190,63 @@ def gpu_decode_exact_or_error(original, frame) -> bool:
     return True
 
 
-GPU_FRAMES = [(t, bytes(uz.compress(t.to(DEV)))) for t, _ in corr.FRAMES]
+@pytest.fixture(scope="module")
+def gpu_frames(gpu):
+    return [(t, gpu.compress(t)) for t, _ in corr.FRAMES]
 
 
 @pytest.mark.parametrize("which", ["cpu", "gpu"])
 @pytest.mark.parametrize("index", range(len(corr.FRAMES)))
-def test_bit_flips_detected_on_gpu(which, index):
-    _, frame = corr.FRAMES[index] if which == "cpu" else GPU_FRAMES[index]
-    for bad in corr.single_bit_flips(frame, seed=index, payload_samples=300):
+def test_bit_flips_detected_on_gpu(gpu, gpu_frames, which, index):
+    _, frame = corr.FRAMES[index] if which == "cpu" else gpu_frames[index]
+    samples = 300 if gpu.kind == "cuda" else 40
+    for bad in corr.single_bit_flips(frame, seed=index, payload_samples=samples):
         with pytest.raises(uz.FrameError):
-            uz.decompress(bad, device="cuda")
+            gpu.decompress(bad)
 
 
 @pytest.mark.parametrize("index", range(len(corr.FRAMES)))
-def test_truncated_extended_on_gpu(index):
+def test_truncated_extended_on_gpu(gpu, index):
     _, frame = corr.FRAMES[index]
     for cut in (0, 1, 39, 40, len(frame) // 2, len(frame) - 1):
         with pytest.raises(uz.FrameError):
-            uz.decompress(frame[:cut], device="cuda")
+            gpu.decompress(frame[:cut])
     with pytest.raises(uz.FrameError, match="extended"):
-        uz.decompress(frame + b"\0", device="cuda")
-    dev = torch.frombuffer(bytearray(frame[: len(frame) // 2]), dtype=torch.uint8).to(DEV)
-    with pytest.raises(uz.FrameError):
-        codec.decompress_device(dev)
+        gpu.decompress(frame + b"\0")
+    if gpu.kind == "cuda":  # a truncated frame already in device memory
+        dev = torch.frombuffer(bytearray(frame[: len(frame) // 2]), dtype=torch.uint8).to(gpu.dev)
+        with pytest.raises(uz.FrameError):
+            gpu.codec.decompress_device(dev)
 
 
-def test_block_table_lies_on_gpu():
-    import struct
-
-    for _, frame in (corr.FRAMES[0], (None, GPU_FRAMES[0][1])):
+def test_block_table_lies_on_gpu(gpu, gpu_frames):
+    for frame in (corr.FRAMES[0][1], gpu_frames[0][1]):
         h = uz.read_header(frame)
-        for delta in (-1, 1, 1 << 30):
-            bad = bytearray(frame)
-            (size,) = struct.unpack_from("<I", bad, h.table_offset)
-            struct.pack_into("<I", bad, h.table_offset, (size + delta) % (1 << 32))
-            with pytest.raises(uz.FrameError):
-                uz.decompress(corr.with_fresh_header_crc(bad), device="cuda")
+        for entry in (0, 1):
+            at = h.table_offset + fmt.TABLE_ENTRY.size * entry
+            for delta in (-16, -1, 1, 16, 1 << 40):
+                bad = bytearray(frame)
+                (end,) = struct.unpack_from("<Q", bad, at)
+                struct.pack_into("<Q", bad, at, (end + delta) % (1 << 64))
+                with pytest.raises(uz.FrameError, match="payload|block"):
+                    gpu.decompress(corr.with_fresh_header_hash(bad))
 
 
-def test_fuzz_mutations_on_gpu():
-    """Mutated frames (half with consistent checksums, reaching the structural checks):
-    the GPU either decodes the exact original or raises FrameError, like the CPU."""
+def test_general_flag_is_required_on_gpu(gpu):
+    _, frame = corr.FRAMES[1]  # SPARSE blocks: the general decoder
+    assert gpu_decode_exact_or_error(gpu, corr.FRAMES[1][0], frame)
+    with pytest.raises(uz.FrameError, match="GENERAL"):
+        gpu.decompress(corr.with_fresh_header_hash(corr.patched(frame, 36, "<I", 0)))
+
+
+def test_fuzz_mutations_on_gpu(gpu):
+    """Mutated frames (half with consistent checksums, reaching the structural checks): the GPU
+    either decodes the exact original or raises FrameError, and accepts exactly what the CPU
+    accepts."""
     rng = random.Random(777)
     corpus = corr.small_fuzz_corpus()
-    corpus += [(t, bytes(uz.compress(t.to(DEV)))) for t, _ in corpus]
-    n = int(os.environ.get("UZIP_GPU_FUZZ", "3000"))
+    corpus += [(t, gpu.compress(t)) for t, _ in corpus]
+    n = int(os.environ.get("UZIP_GPU_FUZZ", "3000" if gpu.kind == "cuda" else "400"))
     survived = 0
     for i in range(n):
         original, frame = corpus[i % len(corpus)]
@@ -232,7 +254,57 @@ def test_fuzz_mutations_on_gpu():
         if i % 2:
             bad = corr.refresh_all_checksums(bad)
         cpu_ok = corr.decode_is_exact_or_frame_error(original, bad)
-        gpu_ok = gpu_decode_exact_or_error(original, bad)
+        gpu_ok = gpu_decode_exact_or_error(gpu, original, bad)
         assert cpu_ok == gpu_ok, f"mutation {i}: CPU {'accepted' if cpu_ok else 'refused'}, GPU disagrees"
         survived += gpu_ok
     assert survived < n // 10
+
+
+# ---- the device API: CUDA only ----
+
+@pytest.fixture
+def cuda_codec():
+    pytest.importorskip("cupy")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    return uz.codec
+
+
+def test_device_api_and_capture_safe_variant(cuda_codec):
+    codec = cuda_codec
+    dev = torch.device("cuda")
+    x = (torch.randn(1 << 20, device=dev) * 0.02).to(torch.bfloat16)
+    cap = uz.max_compressed_size(x.numel() * 2, x.dtype)
+    out = torch.empty(cap, dtype=torch.uint8, device=dev)
+    n = codec.compress_device(x, out)
+    assert torch.equal(bits(codec.decompress_device(out[:n])), bits(x))
+    size = torch.zeros(1, dtype=torch.int64, device=dev)  # capture-safe: size in device memory
+    out2 = torch.zeros_like(out)
+    codec.compress_device_async(x, out2, size)
+    torch.cuda.synchronize()
+    assert int(size.item()) == n and torch.equal(out2[:n].cpu(), out[:n].cpu())
+    out3 = torch.zeros_like(out)
+    size3 = torch.zeros(1, dtype=torch.int64, device=dev)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        codec.compress_device_async(x, out3, size3)  # warm-up outside the graph
+    torch.cuda.current_stream().wait_stream(s)
+    hdr = uz.read_header(out[:n].cpu().numpy().tobytes())
+    y = torch.empty_like(x)
+    g = torch.cuda.CUDAGraph()
+    out3.zero_()
+    with torch.cuda.graph(g):
+        codec.compress_device_async(x, out3, size3)
+        _, err = codec.decompress_device(out[:n], header=hdr, out=y, check=False)
+    g.replay()
+    torch.cuda.synchronize()
+    assert int(size3.item()) == n and torch.equal(out3[:n].cpu(), out[:n].cpu())
+    assert int(err.item()) == -1 and torch.equal(bits(y), bits(x))
+
+
+def test_compress_into_host_buffer(cuda_codec):
+    x = (torch.randn(100_000, device="cuda") * 0.02).to(torch.bfloat16)
+    buf = bytearray(uz.max_compressed_size(x.numel() * 2, x.dtype))
+    n = uz.compress_into(x, buf)
+    assert torch.equal(bits(uz.decompress(buf[:n])), bits(x))

@@ -1,15 +1,18 @@
 """Launcher for the CUDA codec kernels (cuda_codec.cu): argument plumbing only.
 
-The .cu source ships in the package and is compiled once per process by NVRTC through
-CuPy (cupy.RawModule; CuPy caches the binary on disk). CuPy is imported only here, so
-`import uzip_serve` stays light. Kernels run on torch's current CUDA stream unless a
-stream is passed; every buffer is a torch CUDA tensor, handed to the kernels by pointer.
+The .cu source ships in the package and is compiled once per process and device by NVRTC
+through CuPy (cupy.RawModule; CuPy caches the binary on disk), or loaded from a prebuilt
+cubin ($UZIP_CUDA_CUBIN). CuPy is imported only here, so `import uzip_serve` stays light.
+Kernels run on torch's current CUDA stream unless a stream is passed; every buffer is a torch
+tensor, handed to the kernels by pointer. The same launcher drives the CPU emulator of the
+tests (tests/simt), which runs these kernels on host memory: it is a `runtime` like CuPy's.
 
 Host synchronization points (docs/gpu.md):
-  - compress_device(): one, reading back the frame size (compress_device_async: none).
-  - decompress_device(): reading the header + block table of a device-resident frame
-    (skipped when the caller passes the parsed header), and one read of the error word
-    at the end (skipped with check=False, which hands the error word back instead).
+  - loading the kernels on a device (once per process and device);
+  - compress_device(): reading back the frame size (compress_device_async: none);
+  - decompress_device(): reading the header and block table of a device-resident frame
+    (skipped when the caller passes the parsed header), and one read of the error word at the
+    end (skipped with check=False, which hands the error word back instead).
 """
 
 from __future__ import annotations
@@ -25,36 +28,14 @@ import numpy as np
 from uzip_serve import format as fmt
 from uzip_serve.format import FrameError, FrameHeader
 
-TPB = 512  # threads per CUDA block (one per codec block); must match cuda_codec.cu
-INFO_BYTES = 1024  # must match cuda_codec.cu
+# Must match cuda_codec.cu.
+NT = 512  # threads per CUDA block
+NW = NT // 32
+WBUF_BYTES = 1424  # an encoder warp's sub-stream buffer
+WIN_BYTES = 2304  # the fast decoder's copy of a payload's first bytes
+LUT_BYTES = 2048 * 4 + 2048 * 2  # decode table + single-symbol table
+MAX_ENC_SUBSTREAM = 1024
 ENC_BLOCK_ELEMS = fmt.DEFAULT_BLOCK_ELEMS  # 65536: max_compressed_size's bound holds for GPU frames
-ENC_SUBSTREAM = 512  # ENC_S in cuda_codec.cu: 128 sub-streams per block (docs/gpu.md says why)
-NSHIFT = 30  # must match cuda_codec.cu
-# CRC tables per CUDA block: CRC_SLICE tables of 256 entries x 32 lane copies (cuda_codec.cu)
-CRC_SLICE = int(os.environ.get("UZIP_CRC_SLICE", "1"))
-STG_BYTES = 32768  # crc_par's row staging (16 warps x 2 KB)
-SYM_BYTES = 128 * (512 + 16)  # uz_dec_fast's decoded symbols
-# dynamic shared memory per kernel (static shared memory comes on top): CRC tables first
-CRC_SMEM = CRC_SLICE * 256 * 32 * 4 + 4096 + STG_BYTES  # tables, the 32 KB-shift table, staging
-SMEM_STATS = CRC_SMEM + 128 * 32 * 4  # + per-lane histogram counters (two u16 per word)
-SMEM_WRITE = CRC_SMEM  # the per-warp sub-stream buffers share crc_par's staging
-SMEM_DEC = CRC_SMEM - STG_BYTES + SYM_BYTES  # the symbol buffer doubles as crc_par's staging
-# uz_dec_wide's dynamic shared memory: slicing-by-4 CRC tables (+ the 32 KB-shift table), then
-# per group of 128 threads (one codec block) 256 words of descriptor, the LUT and its scratch
-WIDE_TAB_WORDS = 4 * 256 * 32 + 1024
-WIDE_GROUP_WORDS = 256 + 2048 + (36 + 256 + 4 + 64)
-WIDE_MAX_GROUPS = 8  # 1024 threads, ~215 KB: one CUDA block per SM
-
-
-def wide_smem(groups: int) -> int:
-    return 4 * (WIDE_TAB_WORDS + groups * WIDE_GROUP_WORDS)
-
-
-# Which decoder: "wide" (uz_dec_wide: every thread decodes a sub-stream; the default),
-# "wide-pair" (its pair-lookup build at every size) or "fast" (uz_dec_fast, round 3's: one
-# CUDA block of 512 threads per codec block, kept one round for side-by-side benchmarks).
-# See _decoder_launch for how "wide" picks; docs/gpu.md, round 4.
-DECODER = os.environ.get("UZIP_GPU_DECODER", "wide")
 NO_ERROR = (1 << 64) - 1
 
 _ERRORS = {
@@ -77,16 +58,19 @@ _ERRORS = {
     17: "sub-streams run past the block",
     18: "sub-stream offsets go backwards",
     19: "corrupt Huffman sub-stream",
-    20: "block has trailing bytes",
+    20: "block payload size disagrees with its plane headers",
     21: "sparse block header runs past the block",
     22: "sparse block claims more nonzeros than elements",
     23: "sparse mask padding is not zero",
     24: "sparse mask disagrees with the nonzero count",
-    25: "block payloads do not cover the frame exactly",
+    25: "payload end is out of order, unaligned or past the frame",
+    26: "block needs the general decoder but the header's GENERAL flag is clear",
+    27: "plane data runs past the block",
 }
 
 
-def _kernel_suffix(dt: fmt.DType) -> str:
+def _layout_name(dt: fmt.DType) -> str:
+    """Which kernel build serves a dtype: bf16, fp32, or bN (the bytes layout, N-byte items)."""
     if dt.layout == fmt.LAYOUT_BF16:
         return "bf16"
     if dt.layout == fmt.LAYOUT_FP32:
@@ -94,57 +78,99 @@ def _kernel_suffix(dt: fmt.DType) -> str:
     return f"b{dt.itemsize}"
 
 
-def _entropy_plane(dt: fmt.DType) -> int:
-    """Plane the GPU encoder entropy-codes; -1: the dtype is stored as RAW blocks."""
-    if dt.layout in (fmt.LAYOUT_BF16, fmt.LAYOUT_FP32):
-        return 0
-    if dt.name == "float16":
-        return 1  # the high byte: sign, exponent, 2 mantissa bits
-    return -1
+def _nplanes(dt: fmt.DType) -> int:
+    return {fmt.LAYOUT_BF16: 2, fmt.LAYOUT_FP32: 4}.get(dt.layout, dt.itemsize)
 
 
-_MODULES: dict = {}  # device index -> the loaded module
+# The fast decoder serves the layouts whose 16-element merge is a handful of byte permutes;
+# wider bytes-layout dtypes (int32/int64/float64/complex, stored RAW by the GPU encoder) take
+# the general decoder, which is correct for every block and slower.
+FAST_DECODERS = ("bf16", "fp32", "b1", "b2")
 
 
-def _module(device_index: int):
-    mod = _MODULES.get(device_index)
-    if mod is None:
-        mod = _MODULES[device_index] = _load_module(device_index)
-    return mod
+def encoder_substream(nbytes: int) -> int:
+    """Symbols per sub-stream in a GPU frame of `nbytes` original bytes (docs/gpu.md). Each
+    sub-stream costs 2 bytes of offsets and half a byte of padding; a decoding thread takes
+    one, so its length is a small frame's decode latency. $UZIP_GPU_SUBSTREAM overrides."""
+    env = os.environ.get("UZIP_GPU_SUBSTREAM")
+    if env:
+        s = int(env)
+        if s < fmt.MIN_SUBSTREAM_ELEMS or s > MAX_ENC_SUBSTREAM or s & (s - 1):
+            raise ValueError(f"UZIP_GPU_SUBSTREAM={s}: a power of two in [64, {MAX_ENC_SUBSTREAM}]")
+        return s
+    if nbytes >= 64 << 20:
+        return 1024
+    if nbytes >= 8 << 20:
+        return 512
+    return 256
 
 
-def _load_module(device_index: int):
-    import cupy
+class CupyRuntime:
+    """Compiles (NVRTC via CuPy) and launches the kernels on CUDA devices."""
 
-    src = (Path(__file__).with_name("cuda_codec.cu")).read_text()
-    opts = ("-std=c++17", f"-DCRC_SLICE={CRC_SLICE}")
-    cubin = os.environ.get("UZIP_CUDA_CUBIN")  # a prebuilt cubin of this source (benchmark variants)
-    with cupy.cuda.Device(device_index):
-        mod = cupy.RawModule(path=cubin) if cubin else cupy.RawModule(code=src, options=opts)
-        mod.compile()
-        # the CRC shift tables (global memory), once per device; the only sync, at first use
-        n = max(NSHIFT * 1024, 32768)  # INIT_TABLE_THREADS
-        mod.get_function("uz_init_tables")(((n + 255) // 256,), (256,), ())
-        cupy.cuda.runtime.deviceSynchronize()
-    return mod
+    def __init__(self):
+        self._modules: dict = {}
+        self._funcs: dict = {}
+        self._streams: dict = {}
 
+    def loaded(self, device_index: int) -> bool:
+        return device_index in self._modules
 
-def _stream(stream):
-    import cupy
-    import torch
+    def module(self, device_index: int):
+        mod = self._modules.get(device_index)
+        if mod is None:
+            import cupy
 
-    if stream is None:
-        stream = torch.cuda.current_stream()
-    ptr = stream.cuda_stream
-    st = _STREAMS.get(ptr)
-    if st is None:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            st = _STREAMS[ptr] = cupy.cuda.ExternalStream(ptr)
-    return st
+            src = Path(__file__).with_name("cuda_codec.cu").read_text()
+            cubin = os.environ.get("UZIP_CUDA_CUBIN")  # a prebuilt cubin of this source
+            with cupy.cuda.Device(device_index):
+                mod = cupy.RawModule(path=cubin) if cubin else cupy.RawModule(code=src, options=("-std=c++17",))
+                mod.compile()
+            self._modules[device_index] = mod
+        return mod
 
+    def _function(self, index: int, name: str, smem: int):
+        f = self._funcs.get((index, name))
+        if f is None:
+            import cupy
 
-_STREAMS: dict = {}
+            with cupy.cuda.Device(index):
+                f = self.module(index).get_function(name)
+                # over 48 KB of dynamic shared memory needs the attribute; ask for the most
+                f.max_dynamic_shared_size_bytes = 227 * 1024
+            self._funcs[(index, name)] = f
+        return f
+
+    def stream(self, stream):
+        import cupy
+        import torch
+
+        if stream is None:
+            stream = torch.cuda.current_stream()
+        ptr = stream.cuda_stream
+        st = self._streams.get(ptr)
+        if st is None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                st = self._streams[ptr] = cupy.cuda.ExternalStream(ptr)
+        return st
+
+    def launch(self, device, name: str, grid: int, block: int, args: tuple, stream, smem: int = 0) -> None:
+        import cupy
+
+        index = device.index or 0
+        f = self._function(index, name, smem)
+        st = self.stream(stream)
+        if cupy.cuda.runtime.getDevice() == index:
+            f((grid,), (block,), args, stream=st, shared_mem=smem)
+        else:
+            with cupy.cuda.Device(index):
+                f((grid,), (block,), args, stream=st, shared_mem=smem)
+
+    def sm_count(self, device) -> int:
+        import torch
+
+        return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _u64(x: int):
@@ -155,114 +181,99 @@ def _u32(x: int):
     return np.uint32(x)
 
 
-_FUNCS: dict = {}
-
-
-def _function(index: int, name: str, smem: int = 0):
-    """The kernel `name` on device `index`, looked up once per process (launch overhead),
-    allowed `smem` bytes of dynamic shared memory (dynamic + static over 48 KB needs the attribute)."""
-    f = _FUNCS.get((index, name))
-    if f is None:
-        import cupy
-
-        with cupy.cuda.Device(index):
-            f = _module(index).get_function(name)
-            if smem:  # over 48 KB with the static shared memory needs the attribute too
-                try:
-                    f.max_dynamic_shared_size_bytes = smem
-                except AttributeError:  # older CuPy: the driver call itself
-                    cupy.cuda.driver.funcSetAttribute(f.kernel.ptr, 8, smem)  # MAX_DYNAMIC_SHARED_SIZE_BYTES
-        _FUNCS[(index, name)] = f
-    return f
-
-
-def _launch(tensor_device, name, grid, block, args, stream, smem: int = 0, smem_max: int = 0):
-    import cupy
-
-    index = tensor_device.index or 0
-    f = _FUNCS.get((index, name)) or _function(index, name, smem_max or smem)
-    if cupy.cuda.runtime.getDevice() == index:
-        f((grid,), (block,), args, stream=stream, shared_mem=smem)
-    else:
-        with cupy.cuda.Device(index):
-            f((grid,), (block,), args, stream=stream, shared_mem=smem)
-
-
 @functools.lru_cache(maxsize=1024)
 def _header_words(dt: fmt.DType, shape, numel, block_elems, substream) -> tuple:
-    """The header and dims as 13 u64 kernel arguments, frame_nbytes 0 (patched on the device)."""
+    """The header and dims as 13 u64 kernel arguments, frame_nbytes 0 (filled in on the device)."""
     head = fmt.pack_header(dt, tuple(shape), numel, 0, block_elems, substream)
     head = head + b"\0" * (104 - len(head))
     return tuple(_u64(w) for w in struct.unpack("<13Q", head))
 
 
 class CudaCodec:
+    """The GPU codec: compress / decompress between CUDA tensors and frames in device memory."""
+
     name = "cuda"
 
-    @staticmethod
-    def loaded(device_index: int) -> bool:
-        """Whether the kernels are compiled and loaded on that device (see load)."""
-        return device_index in _MODULES
+    def __init__(self, runtime=None):
+        if runtime is None:
+            import cupy  # noqa: F401  (without CuPy, codec.py falls back to the CPU codec)
+        self._rt = runtime or CupyRuntime()
+        self._sizes: dict = {}  # device index -> (sizeof EncShared, sizeof DecShared)
 
-    @staticmethod
-    def load(device_index: int) -> None:
+    def loaded(self, device_index: int) -> bool:
+        """Whether the kernels are compiled and loaded on that device (see load)."""
+        return device_index in self._sizes
+
+    def load(self, device_index: int) -> None:
         """Compiles (NVRTC; CuPy caches the binary on disk) and loads the kernels on a device.
-        The first time on a machine this takes tens of seconds: callers with deadlines (the P2P
-        paths) do it before their first deadline-bound step, not inside it."""
-        _module(device_index)
+        The first time on a machine this takes seconds: callers with deadlines (the P2P paths)
+        do it before their first deadline-bound step, not inside it. Syncs once."""
+        import torch
+
+        if device_index in self._sizes:
+            return
+        dev = self._device(device_index)
+        out = torch.zeros(2, dtype=torch.int32, device=dev)
+        self._rt.launch(dev, "uz_layout_sizes", 1, 1, (_u64(out.data_ptr()),), None)
+        enc, dec = (int(v) for v in out.cpu())
+        self._sizes[device_index] = (enc, dec)
+
+    def _device(self, index):
+        import torch
+
+        return torch.device("cuda", index) if index >= 0 else torch.device("cpu")
+
+    def _shared_sizes(self, device) -> tuple[int, int]:
+        index = device.index if device.type == "cuda" else -1
+        if index is None:
+            import torch
+
+            index = torch.cuda.current_device()
+        if index not in self._sizes:
+            self.load(index)
+        return self._sizes[index]
 
     # ---- compress ----
 
     def compress_device_async(self, tensor, out, size_out, *, stream=None) -> None:
         """Compresses a contiguous CUDA tensor into the CUDA uint8 tensor `out` (at least
-        max_compressed_size bytes) and writes the frame size to the CUDA int64/uint64
-        tensor `size_out` (1 element). Never synchronizes with the host; fixed buffers,
-        so it can be captured in a CUDA graph (scratch comes from torch's allocator)."""
+        max_compressed_size bytes, 16-byte aligned) and writes the frame size to the CUDA
+        int64/uint64 tensor `size_out` (1 element). One kernel launch (and a memset of its
+        scratch); never synchronizes with the host; fixed buffers, so it can be captured in a
+        CUDA graph (scratch comes from torch's allocator)."""
         import torch
 
+        if size_out.dtype not in (torch.int64, torch.uint64) or size_out.numel() < 1:
+            raise ValueError("size_out must be a 1-element int64 tensor")
         dt = fmt.dtype_by_name(str(tensor.dtype).removeprefix("torch."))
         shape = tuple(tensor.shape)
         if len(shape) > fmt.MAX_NDIM:
             raise ValueError(f"tensors of more than {fmt.MAX_NDIM} dims are not supported (got {len(shape)})")
         numel = tensor.numel()
         need = fmt.max_compressed_size(numel * dt.itemsize, dt.name, ndim=len(shape))
-        if out.dtype != torch.uint8 or not out.is_cuda or out.numel() < need or not out.is_contiguous():
-            raise ValueError(f"out must be a contiguous CUDA uint8 tensor of at least {need} bytes")
+        if out.dtype != torch.uint8 or out.device != tensor.device or out.numel() < need or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous uint8 tensor on {tensor.device} of at least {need} bytes")
         if out.data_ptr() % 16:
             raise ValueError("out must be 16-byte aligned")
         src = tensor.contiguous()
         if src.data_ptr() % 16:
             src = src.clone()
-        st = _stream(stream)
         dev = tensor.device
-        be, ss = ENC_BLOCK_ELEMS, ENC_SUBSTREAM
+        enc_shared, _ = self._shared_sizes(dev)
+        be, ss = ENC_BLOCK_ELEMS, encoder_substream(numel * dt.itemsize)
         nblocks = fmt.num_blocks(numel, be)
         table_offset = fmt.HEADER_NBYTES + fmt.DIM.size * len(shape)
         payload_offset = fmt.payload_offset(len(shape), nblocks)
-        sfx = _kernel_suffix(dt)
-        total = size_out.view(torch.uint64) if size_out.dtype == torch.int64 else size_out
-        if nblocks:
-            # one scratch allocation: per-block info records, then the u64 payload offsets
-            info = torch.empty(nblocks * (INFO_BYTES + 8), dtype=torch.uint8, device=dev)
-            cp = _entropy_plane(dt)
-            sp, ip = src.data_ptr(), info.data_ptr()
-            op = ip + nblocks * INFO_BYTES
-            _launch(dev, f"uz_enc_stats_{sfx}", nblocks, TPB,
-                    (_u64(sp), _u64(numel), _u32(ss), np.int32(cp), _u64(ip)), st, SMEM_STATS)
-            _launch(dev, "uz_scan", 1, 1024,
-                    (_u64(ip), _u32(INFO_BYTES), _u32(nblocks), _u64(op), _u64(total.data_ptr()),
-                     _u64(payload_offset), _u64(0), np.int32(0), _u64(0), _u64(0)), st)
-            _launch(dev, f"uz_enc_write_{sfx}", nblocks, TPB,
-                    (_u64(sp), _u64(numel), _u32(ss), np.int32(cp), _u64(ip), _u64(op), _u64(out.data_ptr()),
-                     _u64(payload_offset), _u64(table_offset)), st, SMEM_WRITE)
-        else:
-            total.fill_(payload_offset)
-        hw = _header_words(dt, shape, numel, be, ss)
-        _launch(dev, "uz_enc_header", 1, TPB,
-                (_u64(out.data_ptr()), _u64(total.data_ptr()), _u32((table_offset + 7) // 8), _u64(payload_offset),
-                 *hw), st, CRC_SMEM)
-        if nblocks and stream is not None:  # scratch freed here must outlive the other stream's work
-            for t_ in (src, info):
+        # [0] ticket, [1] blocks done, [2] the table's share of the header hash, then the
+        # look-back status of every block: all zero before the launch
+        state = torch.zeros(3 + nblocks, dtype=torch.int64, device=dev)
+        smem = be + NW * WBUF_BYTES + enc_shared
+        args = (_u64(src.data_ptr()), _u64(numel), _u32(be), _u32(ss), _u64(out.data_ptr()), _u64(table_offset),
+                _u64(payload_offset), _u32(nblocks), _u64(state.data_ptr()), _u64(size_out.data_ptr()),
+                *_header_words(dt, shape, numel, be, ss))
+        self._rt.launch(dev, f"uz_enc_{_layout_name(dt)}", max(nblocks, 1), NT, args, stream, smem)
+        if stream is not None:  # scratch freed here must outlive the other stream's work
+            for t_ in (src, state):
                 t_.record_stream(stream)
 
     def compress_device(self, tensor, out, *, stream=None) -> int:
@@ -279,90 +290,65 @@ class CudaCodec:
                           check: bool = True):
         """Decodes a frame held in a CUDA uint8 tensor into a CUDA tensor.
 
-        header: the parsed header (format.parse_header) if the caller has it; else the
-        header and block table are copied to the host and validated there (a sync).
-        check=False returns (tensor, error_word) without synchronizing; error_word is a
-        CUDA uint64 tensor, ~0 when clean (see error_message)."""
+        header: the parsed header (format.parse_header) if the caller has it; else the header
+        and block table are copied to the host and validated there (a sync). check=False
+        returns (tensor, error_word) without synchronizing; error_word is a CUDA int64, -1
+        when clean (see error_message). One kernel launch (and a fill of the error word)."""
         import torch
 
         if header is None:
             header = read_header_device(frame)
         dt = header.dtype
-        torch_dtype = getattr(torch, dt.name)
         dev = frame.device
         if out is None:
-            out = torch.empty(header.shape, dtype=torch_dtype, device=dev)
+            out = torch.empty(header.shape, dtype=getattr(torch, dt.name), device=dev)
+        err = torch.full((1,), -1, dtype=torch.int64, device=dev)
         if header.numel == 0:
-            err = torch.full((1,), -1, dtype=torch.int64, device=dev)
             return out if check else (out, err)
-        err = torch.empty(1, dtype=torch.int64, device=dev)  # uz_scan sets it to ~0 first
         if frame.data_ptr() % 16:
             frame = frame.clone()
-        if out.data_ptr() % 16:
-            raise ValueError("out must be 16-byte aligned")
-        st = _stream(stream)
-        nb = header.num_blocks
-        nplanes = dt.itemsize if dt.layout == fmt.LAYOUT_BYTES else (2 if dt.layout == fmt.LAYOUT_BF16 else 4)
-        slots = min(nb, 2 * _sm_count(dev))
-        slot_bytes = ((nplanes + 1) * header.block_elems + 15) // 16 * 16
-        # one scratch allocation: u64 offsets, u32 queue count (set to 0 by uz_scan), u32 queue,
-        # then uz_dec_slow's slots (16-byte aligned)
-        head_bytes = (8 * nb + 4 + 4 * nb + 15) // 16 * 16
-        scratch = torch.empty(head_bytes + slots * slot_bytes, dtype=torch.uint8, device=dev)
-        op = scratch.data_ptr()
-        cp_, lp = op + 8 * nb, op + 8 * nb + 4
-        sp = op + head_bytes
+        target = out if out.data_ptr() % 16 == 0 else torch.empty_like(out)
+        _, dec_shared = self._shared_sizes(dev)
+        name = _layout_name(dt)
+        nb, be, ss = header.num_blocks, header.block_elems, header.substream_elems
         payload_len = header.frame_nbytes - header.payload_offset
-        fp, ep = frame.data_ptr(), err.data_ptr()
-        _launch(dev, "uz_scan", 1, 1024,
-                (_u64(fp + header.table_offset), _u32(12), _u32(nb), _u64(op), _u64(0), _u64(0),
-                 _u64(payload_len), np.int32(1), _u64(ep), _u64(cp_)), st)
-        sfx = _kernel_suffix(dt)
-        common = (_u64(fp), _u64(header.payload_offset), _u64(payload_len), _u64(header.table_offset),
-                  _u64(op), _u64(header.numel), _u32(header.block_elems),
-                  _u32(header.substream_elems), _u64(out.data_ptr()), _u64(ep))
-        name, grid, block, smem = _decoder_launch(nb, nplanes, _sm_count(dev))
-        if name == "uz_dec_fast":
-            args = common + (_u64(lp), _u64(cp_))
-        else:  # uz_dec_wide also takes the block count
-            args = common[:8] + (_u32(nb),) + common[8:] + (_u64(lp), _u64(cp_))
-        _launch(dev, f"{name}_{sfx}", grid, block, args, st, smem,
-                wide_smem(WIDE_MAX_GROUPS) if name != "uz_dec_fast" else 0)
-        _launch(dev, f"uz_dec_slow_{sfx}", slots, TPB, common + (_u64(lp), _u64(cp_), _u64(sp), _u64(slot_bytes)), st,
-                CRC_SMEM)
+        args = (_u64(frame.data_ptr()), _u64(header.payload_offset), _u64(payload_len), _u64(header.table_offset),
+                _u64(header.numel), _u32(be), _u32(ss), _u32(nb), _u64(target.data_ptr()), _u64(err.data_ptr()))
+        scratch = None
+        if header.general or name not in FAST_DECODERS:
+            grid = min(nb, 2 * self._rt.sm_count(dev))
+            stride = (be + 31) // 16 * 16
+            scratch = torch.empty(grid * (1 + _nplanes(dt)) * stride, dtype=torch.uint8, device=dev)
+            self._rt.launch(dev, f"uz_dec_general_{name}", grid, NT,
+                            args + (_u32(header.flags), _u64(scratch.data_ptr()), _u32(stride)), stream,
+                            LUT_BYTES + dec_shared)
+        else:
+            sym_bytes = -(-be // ss) * (ss + 16)
+            self._rt.launch(dev, f"uz_dec_{name}", nb, NT, args + (_u32(sym_bytes),), stream,
+                            sym_bytes + WIN_BYTES + LUT_BYTES + dec_shared)
+        if target is not out:
+            out.copy_(target)
         if stream is not None:
-            for t_ in (frame, scratch, err):
+            for t_ in (frame, err) + ((scratch,) if scratch is not None else ()):
                 t_.record_stream(stream)
         if not check:
             return out, err
         raise_on_error(err)
         return out
 
-
-_SMS: dict = {}
-
-
-def _sm_count(dev) -> int:
-    n = _SMS.get(dev.index)
-    if n is None:
+    def hash_segments(self, data, seg: int, *, stream=None):
+        """UZH64 of each `seg`-byte segment of the uint8 tensor `data` (the last may be short),
+        one CUDA block each: the checksum on its own, for the tests and the benchmark."""
         import torch
 
-        n = _SMS[dev.index] = torch.cuda.get_device_properties(dev).multi_processor_count
-    return n
-
-
-def _decoder_launch(nb: int, nplanes: int, sms: int) -> tuple[str, int, int, int]:
-    """(kernel, grid, threads per CUDA block, dynamic shared memory) for a frame of nb codec
-    blocks. uz_dec_wide runs in one wave when it fits: ceil(nb / SMs) groups of 128 threads
-    (up to 8) per CUDA block, one CUDA block per SM. Its single-symbol build serves frames of
-    up to one wave, where one thread's time is the frame's time; above that LUT loads bound
-    throughput and the pair build, with half of them, is faster. fp32 (4 planes) spills in
-    uz_dec_wide: above 4 codec blocks per SM round 3's uz_dec_fast was measured faster for it."""
-    if DECODER == "fast" or (DECODER == "wide" and nplanes > 2 and nb > 4 * sms):
-        return "uz_dec_fast", nb, TPB, SMEM_DEC
-    groups = max(1, min(WIDE_MAX_GROUPS, -(-nb // sms)))
-    pair = DECODER == "wide-pair" or nb > WIDE_MAX_GROUPS * sms
-    return ("uz_dec_widep" if pair else "uz_dec_wide"), -(-nb // groups), 128 * groups, wide_smem(groups)
+        if data.data_ptr() % 16:  # the kernel reads whole 16-byte units
+            data = data.clone()
+        n = data.numel()
+        nseg = max(1, -(-n // seg))
+        out = torch.empty(nseg, dtype=torch.int64, device=data.device)
+        self._rt.launch(data.device, "uz_hash_segs", nseg, NT,
+                        (_u64(data.data_ptr()), _u64(seg), _u64(n), _u64(out.data_ptr())), stream, 8 * NW)
+        return out
 
 
 def error_message(word: int) -> str | None:
@@ -370,10 +356,7 @@ def error_message(word: int) -> str | None:
     if word == NO_ERROR:
         return None
     block, code = word >> 8, word & 0xFF
-    what = _ERRORS.get(code, f"error {code}")
-    if block == 0xFFFFFFFF:
-        return what
-    return f"block {block}: {what}"
+    return f"block {block}: {_ERRORS.get(code, f'error {code}')}"
 
 
 def raise_on_error(err) -> None:
@@ -398,17 +381,4 @@ def read_header_device(frame) -> FrameHeader:
     # and table: hand it a lazily zeroed host buffer (calloc: untouched pages cost nothing).
     buf = np.zeros(n, dtype=np.uint8)
     buf[:end] = frame[:end].cpu().numpy()
-    return fmt.parse_header(buf, get_backend("cpu").crc32c)
-
-
-def crc32c_segments(data, seg: int, *, stream=None):
-    """CRC32C of each `seg`-byte segment of the CUDA uint8 tensor `data` (the last may be
-    short), one CUDA block each: crc_par, for the tests and the benchmark."""
-    import torch
-
-    n = data.numel()
-    nseg = max(1, -(-n // seg))
-    out = torch.empty(nseg, dtype=torch.int32, device=data.device)
-    _launch(data.device, "uz_crc_segs", nseg, TPB, (_u64(data.data_ptr()), _u64(seg), _u64(n), _u64(out.data_ptr())),
-            _stream(stream), CRC_SMEM)
-    return out
+    return fmt.parse_header(buf, get_backend("cpu").uzh64)

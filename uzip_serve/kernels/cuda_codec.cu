@@ -1,1900 +1,1486 @@
 /*
- * CUDA kernels for the uzip frame codec (docs/format.md), compiled at run time by NVRTC
- * through CuPy (uzip_serve/kernels/cuda.py). Every kernel must produce / accept exactly
- * the bytes the CPU reference in uzip_serve/kernels/cpu_codec.c does:
+ * CUDA kernels for the uzip frame codec, format v2 (docs/format.md). Compiled at run time by
+ * NVRTC through CuPy; launched by uzip_serve/kernels/cuda.py. Every frame written here decodes
+ * bit-exactly on the CPU reference, uzip_serve/kernels/cpu_codec.c, and every frame the CPU
+ * writes decodes here:
  *
- *   CPU reference                       GPU counterpart here
- *   crc32c / crc32c_combine             crc_par (table CRC per 32-byte slot + linear combine)
- *   split_planes / hist_of              plane_sym + uz_enc_stats (per-lane counters)
- *   build_lengths                       build_lengths_tail (same algorithm, rank sort)
- *   assign_codes                        assign_codes_par / build_lut_group
- *   encode_stream                       warp-cooperative writer in uz_enc_write
- *   decode_plane / decode_stream_tail   HuffReader + uz_dec_fast / uz_dec_slow
- *   merge_planes                        merge16 (fast) / merge1 (slow)
- *   encode_block / decode_block         uz_enc_stats + uz_enc_write / uz_dec_fast + uz_dec_slow
+ *   CPU reference (cpu_codec.c)              here
+ *   uzh64                                    uzh_chunk (per 16 bytes) + block_sum
+ *   split_planes / merge_planes              Layout::split / Layout::merge (16 elements at once)
+ *   hist_of                                  lane-column counters in enc_block
+ *   build_lengths                            build_lengths (same algorithm, thread 0)
+ *   assign_codes                             canonical_ranks (match_any per warp)
+ *   encode_stream                            encode_substream (a warp per sub-stream)
+ *   build_lut                                build_lut (same table, built in parallel)
+ *   decode_4streams / decode_stream_tail     decode_substream (a thread per sub-stream)
+ *   encode_block / compress_worker           uz_enc_* (a CUDA block per codec block)
+ *   decode_block / decompress_worker         uz_dec_* (RAW and DENSE blocks with <= 1 HUFF
+ *                                            plane) and uz_dec_general_* (every block kind)
  *
- * One codec block is handled by one CUDA block of TPB = 512 threads (docs/gpu.md has the
- * design and the measurements). CRCs: crc_par (coalesced rows, per-lane shared-memory
- * tables, slots joined by CRC linearity); the Huffman encoder codes a sub-stream per warp
- * (prefix sum of code lengths); the decoder decodes a sub-stream per thread into shared
- * memory, then merges planes coalesced. GPU frames use 512-symbol sub-streams (128 per
- * block). Portable CUDA C++: __funnelshift_r, __brev, __popc, __shfl_*_sync and
- * __reduce_*_sync have HIP equivalents; the only inline PTX (%globaltimer) is in the
- * UZ_PHASES timing build, never in the shipped kernels.
+ * One CUDA block of NT threads handles one codec block. The encoder takes its block index from
+ * a ticket, so lower blocks always run first, and finds its payload's offset with a decoupled
+ * look-back over the sizes its predecessors publish: one launch writes the whole frame, the
+ * header by whichever CUDA block finishes last. The decoder needs no cross-block step: the
+ * block table gives every payload's end. docs/gpu.md has the design and the measurements.
  *
- * GPU encoder choices (valid frames, may differ from the CPU's): only the "entropy plane"
- * (plane 0 for bf16/fp32, plane 1 = high byte for fp16) is Huffman/CONST coded, every other
- * plane is stored RAW, SPARSE blocks are never emitted, and all other dtypes are stored as
- * RAW blocks. The decoder reads every valid frame: uz_dec_fast handles RAW blocks and DENSE
- * blocks with at most one HUFF plane; anything else (SPARSE, several HUFF planes) is
- * queued to uz_dec_slow, which decodes planes through global scratch.
+ * Portability (HIP): plain CUDA C++, no inline PTX, no tensor cores. The warp-level parts
+ * (shuffles, ballots, __reduce_*_sync, __match_any_sync) assume 32 lanes; docs/gpu.md lists
+ * what a 64-lane AMD build would change. Under UZ_SIMT the same source compiles as C++ for the
+ * CPU emulator the tests use (tests/simt), which is why shared memory is only dynamic.
  */
+#ifdef UZ_SIMT
+#define UZ_DYN_SMEM(name) unsigned char *name = uzsim::dynamic_smem()
+#else
+extern __shared__ __align__(16) unsigned char uz_dynamic_smem[]; /* every kernel's shared memory */
+#define UZ_DYN_SMEM(name) unsigned char *name = uz_dynamic_smem
+#endif
+
 typedef unsigned char u8;
 typedef unsigned short u16;
 typedef unsigned int u32;
 typedef unsigned long long u64;
 
-#define TPB 512             /* threads per CUDA block (one CUDA block per codec block) */
-#define ENC_BLOCK 65536     /* elements per GPU-encoded block (the default: max_compressed_size holds) */
-#define ENC_S 512           /* symbols per sub-stream in GPU-encoded frames */
-#define MAX_ENC_STREAMS (ENC_BLOCK / ENC_S)
-#define PER (ENC_S / 32)    /* symbols per lane when a warp codes one sub-stream */
-#define STG_WORDS ((ENC_S * 11 + 31) / 32 + 4) /* per-warp sub-stream buffer in uz_enc_write */
+#define NT 512             /* threads per CUDA block, encoder and decoder; cuda.py agrees */
+#define NW (NT / 32)
 #define MAX_CODE_LEN 11
 #define LUT_SIZE 2048
-#define INFO_BYTES 1024     /* per-block record written by uz_enc_stats */
-#define MAX_PLANES 16
+#define MAX_ENC_S 1024     /* longest sub-stream the GPU encoder writes (its warp buffer) */
+#define WBUF_BYTES 1424    /* a warp's sub-stream buffer: MAX_ENC_S * 11 bits, rounded up */
+#define WIN_BYTES 2304     /* payload bytes a fast decoder reads first: all headers of a fast block */
+#define HDR_BYTES 2304     /* the encoder's block header (mode, plane headers, ends) */
+#define ALIGN 16
+#define UZH_LENGTH_MUL 0x9E3779B97F4A7C15ull
+#define LOOKBACK_AGG (1ull << 62)   /* a block's own payload size is published */
+#define LOOKBACK_INCL (2ull << 62)  /* the sum of sizes up to and including it is published */
+#define LOOKBACK_VALUE ((1ull << 62) - 1)
 
-enum { LAYOUT_BYTES = 0, LAYOUT_BF16 = 1, LAYOUT_FP32 = 2 };
 enum { BLOCK_RAW = 0, BLOCK_DENSE = 1, BLOCK_SPARSE = 2 };
 enum { PLANE_RAW = 0, PLANE_CONST = 1, PLANE_HUFF = 2 };
 
-/* Error codes reported through the u64 error word: (block << 8) | code, lowest wins. */
+/* Error codes, reported through one u64 word as (block << 8) | code; the lowest block wins
+ * (atomicMin). cuda.py's _ERRORS has the texts. */
 enum {
-    E_PAYLOAD_CRC = 1, E_ORIG_CRC, E_EMPTY, E_RAW_SIZE, E_MODE, E_PLANE_HDR, E_PLANE_MODE,
+    E_PAYLOAD_HASH = 1, E_ORIG_HASH, E_EMPTY, E_RAW_SIZE, E_MODE, E_PLANE_HDR, E_PLANE_MODE,
     E_RAW_PLANE, E_CONST_PLANE, E_HUFF_EMPTY, E_HUFF_TABLE, E_HUFF_RANGE, E_HUFF_LEN, E_HUFF_PAD,
-    E_HUFF_KRAFT, E_ENDS, E_STREAMS_PAST, E_ENDS_BACK, E_STREAM, E_TRAILING, E_SPARSE_HDR, E_SPARSE_M,
-    E_SPARSE_PAD, E_SPARSE_POP, E_TOTAL
+    E_HUFF_KRAFT, E_ENDS, E_STREAMS_PAST, E_ENDS_BACK, E_STREAM, E_SIZE, E_SPARSE_HDR, E_SPARSE_M,
+    E_SPARSE_PAD, E_SPARSE_POP, E_PAYLOAD_END, E_GENERAL, E_PLANE_DATA
 };
 
-/* global, not __constant__: load_crc_table reads it with 256 different addresses per step,
- * which the constant cache would serialize */
-__device__ const u32 CRC_TAB[256] = {
-0x00000000u, 0xf26b8303u, 0xe13b70f7u, 0x1350f3f4u, 0xc79a971fu, 0x35f1141cu, 0x26a1e7e8u, 0xd4ca64ebu,
-0x8ad958cfu, 0x78b2dbccu, 0x6be22838u, 0x9989ab3bu, 0x4d43cfd0u, 0xbf284cd3u, 0xac78bf27u, 0x5e133c24u,
-0x105ec76fu, 0xe235446cu, 0xf165b798u, 0x030e349bu, 0xd7c45070u, 0x25afd373u, 0x36ff2087u, 0xc494a384u,
-0x9a879fa0u, 0x68ec1ca3u, 0x7bbcef57u, 0x89d76c54u, 0x5d1d08bfu, 0xaf768bbcu, 0xbc267848u, 0x4e4dfb4bu,
-0x20bd8edeu, 0xd2d60dddu, 0xc186fe29u, 0x33ed7d2au, 0xe72719c1u, 0x154c9ac2u, 0x061c6936u, 0xf477ea35u,
-0xaa64d611u, 0x580f5512u, 0x4b5fa6e6u, 0xb93425e5u, 0x6dfe410eu, 0x9f95c20du, 0x8cc531f9u, 0x7eaeb2fau,
-0x30e349b1u, 0xc288cab2u, 0xd1d83946u, 0x23b3ba45u, 0xf779deaeu, 0x05125dadu, 0x1642ae59u, 0xe4292d5au,
-0xba3a117eu, 0x4851927du, 0x5b016189u, 0xa96ae28au, 0x7da08661u, 0x8fcb0562u, 0x9c9bf696u, 0x6ef07595u,
-0x417b1dbcu, 0xb3109ebfu, 0xa0406d4bu, 0x522bee48u, 0x86e18aa3u, 0x748a09a0u, 0x67dafa54u, 0x95b17957u,
-0xcba24573u, 0x39c9c670u, 0x2a993584u, 0xd8f2b687u, 0x0c38d26cu, 0xfe53516fu, 0xed03a29bu, 0x1f682198u,
-0x5125dad3u, 0xa34e59d0u, 0xb01eaa24u, 0x42752927u, 0x96bf4dccu, 0x64d4cecfu, 0x77843d3bu, 0x85efbe38u,
-0xdbfc821cu, 0x2997011fu, 0x3ac7f2ebu, 0xc8ac71e8u, 0x1c661503u, 0xee0d9600u, 0xfd5d65f4u, 0x0f36e6f7u,
-0x61c69362u, 0x93ad1061u, 0x80fde395u, 0x72966096u, 0xa65c047du, 0x5437877eu, 0x4767748au, 0xb50cf789u,
-0xeb1fcbadu, 0x197448aeu, 0x0a24bb5au, 0xf84f3859u, 0x2c855cb2u, 0xdeeedfb1u, 0xcdbe2c45u, 0x3fd5af46u,
-0x7198540du, 0x83f3d70eu, 0x90a324fau, 0x62c8a7f9u, 0xb602c312u, 0x44694011u, 0x5739b3e5u, 0xa55230e6u,
-0xfb410cc2u, 0x092a8fc1u, 0x1a7a7c35u, 0xe811ff36u, 0x3cdb9bddu, 0xceb018deu, 0xdde0eb2au, 0x2f8b6829u,
-0x82f63b78u, 0x709db87bu, 0x63cd4b8fu, 0x91a6c88cu, 0x456cac67u, 0xb7072f64u, 0xa457dc90u, 0x563c5f93u,
-0x082f63b7u, 0xfa44e0b4u, 0xe9141340u, 0x1b7f9043u, 0xcfb5f4a8u, 0x3dde77abu, 0x2e8e845fu, 0xdce5075cu,
-0x92a8fc17u, 0x60c37f14u, 0x73938ce0u, 0x81f80fe3u, 0x55326b08u, 0xa759e80bu, 0xb4091bffu, 0x466298fcu,
-0x1871a4d8u, 0xea1a27dbu, 0xf94ad42fu, 0x0b21572cu, 0xdfeb33c7u, 0x2d80b0c4u, 0x3ed04330u, 0xccbbc033u,
-0xa24bb5a6u, 0x502036a5u, 0x4370c551u, 0xb11b4652u, 0x65d122b9u, 0x97baa1bau, 0x84ea524eu, 0x7681d14du,
-0x2892ed69u, 0xdaf96e6au, 0xc9a99d9eu, 0x3bc21e9du, 0xef087a76u, 0x1d63f975u, 0x0e330a81u, 0xfc588982u,
-0xb21572c9u, 0x407ef1cau, 0x532e023eu, 0xa145813du, 0x758fe5d6u, 0x87e466d5u, 0x94b49521u, 0x66df1622u,
-0x38cc2a06u, 0xcaa7a905u, 0xd9f75af1u, 0x2b9cd9f2u, 0xff56bd19u, 0x0d3d3e1au, 0x1e6dcdeeu, 0xec064eedu,
-0xc38d26c4u, 0x31e6a5c7u, 0x22b65633u, 0xd0ddd530u, 0x0417b1dbu, 0xf67c32d8u, 0xe52cc12cu, 0x1747422fu,
-0x49547e0bu, 0xbb3ffd08u, 0xa86f0efcu, 0x5a048dffu, 0x8ecee914u, 0x7ca56a17u, 0x6ff599e3u, 0x9d9e1ae0u,
-0xd3d3e1abu, 0x21b862a8u, 0x32e8915cu, 0xc083125fu, 0x144976b4u, 0xe622f5b7u, 0xf5720643u, 0x07198540u,
-0x590ab964u, 0xab613a67u, 0xb831c993u, 0x4a5a4a90u, 0x9e902e7bu, 0x6cfbad78u, 0x7fab5e8cu, 0x8dc0dd8fu,
-0xe330a81au, 0x115b2b19u, 0x020bd8edu, 0xf0605beeu, 0x24aa3f05u, 0xd6c1bc06u, 0xc5914ff2u, 0x37faccf1u,
-0x69e9f0d5u, 0x9b8273d6u, 0x88d28022u, 0x7ab90321u, 0xae7367cau, 0x5c18e4c9u, 0x4f48173du, 0xbd23943eu,
-0xf36e6f75u, 0x0105ec76u, 0x12551f82u, 0xe03e9c81u, 0x34f4f86au, 0xc69f7b69u, 0xd5cf889du, 0x27a40b9eu,
-0x79b737bau, 0x8bdcb4b9u, 0x988c474du, 0x6ae7c44eu, 0xbe2da0a5u, 0x4c4623a6u, 0x5f16d052u, 0xad7d5351u
-};
-/* x^(2^n) mod P, as x2n_table in cpu_codec.c */
-__constant__ u32 X2N[32] = {0x40000000u, 0x20000000u, 0x08000000u, 0x00800000u, 0x00008000u, 0x82f63b78u, 0x6ea2d55cu, 0x18b8ea18u, 0x510ac59au, 0xb82be955u, 0xb8fdb1e7u, 0x88e56f72u, 0x74c360a4u, 0xe4172b16u, 0x0d65762au, 0x35d73a62u, 0x28461564u, 0xbf455269u, 0xe2ea32dcu, 0xfe7740e6u, 0xf946610bu, 0x3c204f8fu, 0x538586e3u, 0x59726915u, 0x734d5309u, 0xbc1ac763u, 0x7d0722ccu, 0xd289cabeu, 0xe94ca9bcu, 0x05b74f3fu, 0xa51e1f42u, 0x40000000u};
-
-/* Phase timing for tuning (built only with -DUZ_PHASES): clock64 of CUDA block 0, thread 0
- * at the marks of uz_dec_fast (row 0), uz_enc_stats (1) and uz_enc_write (2); columns 14/15
- * hold %globaltimer (ns) at the first and last mark, for the clock rate. Inline PTX, debug only. */
-#ifdef UZ_PHASES
-__device__ unsigned long long UZ_PH[3][16];
-__device__ __forceinline__ unsigned long long gtimer() {
-    unsigned long long v;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(v));
-    return v;
-}
-#define PH(k, i) do { if (blockIdx.x == 0 && threadIdx.x == 0) { UZ_PH[k][i] = clock64(); if ((i) == 0) UZ_PH[k][14] = gtimer(); else UZ_PH[k][15] = gtimer(); } } while (0)
+/* -DUZ_PHASES (benchmarks/codec_gpu.py --phases): thread 0 of every CUDA block adds the cycles
+ * between consecutive marks to uz_phase_cycles[kernel][mark]; [kernel][15] counts the blocks. */
+#if defined(UZ_PHASES) && !defined(UZ_SIMT)
+__device__ unsigned long long uz_phase_cycles[2][16];
+#define PHASE_START() long long uz_t_ = clock64()
+#define PHASE(k, i)                                                                                    \
+    do {                                                                                               \
+        if (threadIdx.x == 0) {                                                                        \
+            long long t_ = clock64();                                                                  \
+            atomicAdd(&uz_phase_cycles[k][i], (unsigned long long)(t_ - uz_t_));                        \
+            uz_t_ = t_;                                                                                \
+            if ((i) == 14) atomicAdd(&uz_phase_cycles[k][15], 1ull);                                   \
+        }                                                                                              \
+    } while (0)
 #else
-#define PH(k, i) do {} while (0)
+#define PHASE_START()
+#define PHASE(k, i)
 #endif
 
-__device__ __forceinline__ void report(u64 *err, u64 block, u32 code) {
-    atomicMin(err, (block << 8) | code);
+__device__ __forceinline__ u32 align16(u32 x) { return (x + ALIGN - 1) & ~(u32)(ALIGN - 1); }
+__device__ __forceinline__ void report(u64 *err, u32 block, u32 code) {
+    atomicMin(err, ((u64)block << 8) | code);
+}
+__device__ __forceinline__ u32 lanemask_lt() { return (1u << (threadIdx.x & 31)) - 1u; }
+
+/* ---- UZH64 (docs/format.md): each 16-byte group hashed from its index alone ---- */
+
+__device__ __forceinline__ u32 uzh_key(u32 g) {
+    u32 x = (g * 0x9E3779B1u) & 0x1FFFFFFFu;
+    x ^= x >> 14;
+    x = (x * 0x85EBCA6Bu) & 0x1FFFFFFFu;
+    x ^= x >> 13;
+    return x << 3;
 }
 
-/* ---- CRC32C ---- */
-/* Table-driven CRC (crc32c of cpu_codec.c) with the tables in shared memory, replicated once
- * per lane: entry i of table k for lane L is word ((k * 256 + i) * 32 + L), so the 32 lanes
- * of a warp always read 32 different banks. With one shared copy, 32 data-dependent lookups
- * hit ~3.5 times the same bank and every lookup costs 3-4 shared-memory wavefronts; CRC32C
- * then ran at less than a third of the shared-memory rate. CRC_SLICE tables (slicing-by-1,
- * -2 or -4; 32 KB each) trade shared memory for a shorter per-byte chain. */
-#ifndef CRC_SLICE
-#define CRC_SLICE 1
-#endif
-#define CRC_SMEM_WORDS (CRC_SLICE * 256 * 32 + 1024) /* + the 32 KB-shift table (crc_par) */
-#define CRC_SMEM_BYTES (CRC_SMEM_WORDS * 4)
-/* dynamic shared memory of every kernel: the CRC tables first (launcher: cuda.py SMEM_*) */
-extern __shared__ __align__(16) u32 dsm[];
-#define STG_BYTES 32768     /* crc_par's row staging: 16 warps x 2 KB, after the CRC tables */
-#define SYM_BYTES (128 * (512 + 16)) /* uz_dec_fast: decoded symbols, sub-stream j at j * (S + 16) */
-#define NSHIFT 30           /* shift tables: by 2^l bytes, l < NSHIFT */
-
-__device__ u32 SHIFT_TAB[NSHIFT * 1024]; /* see uz_init_tables */
-
-/* Fills the replicated tables: T0 = CRC_TAB, Tk[i] = (Tk-1[i] >> 8) ^ T0[Tk-1[i] & 0xFF].
- * SL tables, then the 32 KB-shift table (crc_par). */
-template <int SL = CRC_SLICE>
-__device__ __forceinline__ void crc_init_smem(u32 *sm) {
-    for (u32 e = threadIdx.x; e < SL * 256; e += blockDim.x) {
-        u32 v = CRC_TAB[e & 255u];
-        for (u32 q = 0; q < (e >> 8); q++) v = (v >> 8) ^ CRC_TAB[v & 255u];
-        uint4 *d = (uint4 *)(sm + e * 32);
-        const uint4 vv = make_uint4(v, v, v, v);
-#pragma unroll
-        for (int r = 0; r < 8; r++) d[r] = vv;
-    }
-    for (u32 e = threadIdx.x; e < 1024; e += blockDim.x) sm[SL * 256 * 32 + e] = SHIFT_TAB[15 * 1024 + e];
-}
-/* tab = smem tables + lane: this lane's copy */
-#define CRCT(tab, k, i) ((tab)[((k) * 256u + (i)) * 32u])
-__device__ __forceinline__ u32 crc_b(const u32 *tab, u32 c, u32 b) {
-    return (c >> 8) ^ CRCT(tab, 0, (c ^ b) & 0xFFu);
-}
-/* c: raw register; feeds the 4 bytes of w, low byte first; SL tables (slicing-by-SL) */
-template <int SL = CRC_SLICE>
-__device__ __forceinline__ u32 crc_w(const u32 *tab, u32 c, u32 w) {
-    c ^= w;
-    if constexpr (SL == 4) {
-        /* CRCT in byte offsets (entry i of table k at k * 32768 + i * 128): one shift and one
-         * mask per lookup, and the table's offset becomes the load's immediate */
-        const u8 *t = (const u8 *)tab;
-        return *(const u32 *)(t + 3 * 32768 + ((c << 7) & 0x7F80u)) ^ *(const u32 *)(t + 2 * 32768 + ((c >> 1) & 0x7F80u)) ^
-               *(const u32 *)(t + 32768 + ((c >> 9) & 0x7F80u)) ^ *(const u32 *)(t + ((c >> 17) & 0x7F80u));
-    } else if constexpr (SL == 2) {
-        c = CRCT(tab, 1, c & 0xFFu) ^ CRCT(tab, 0, (c >> 8) & 0xFFu) ^ (c >> 16);
-        return CRCT(tab, 1, c & 0xFFu) ^ CRCT(tab, 0, (c >> 8) & 0xFFu) ^ (c >> 16);
-    } else {
-#pragma unroll
-        for (int k = 0; k < 4; k++) c = (c >> 8) ^ CRCT(tab, 0, c & 0xFFu);
-        return c;
-    }
-}
-template <int SL = CRC_SLICE>
-__device__ __forceinline__ u32 crc_q(const u32 *tab, u32 c, uint4 v) {
-    c = crc_w<SL>(tab, c, v.x); c = crc_w<SL>(tab, c, v.y);
-    c = crc_w<SL>(tab, c, v.z); return crc_w<SL>(tab, c, v.w);
-}
-/* multmodp of cpu_codec.c: a * b mod P, reflected (x^0 = bit 31) */
-__device__ u32 multmodp(u32 a, u32 b) {
-    u32 p = 0;
-    for (; a; a <<= 1) {
-        if (a & 0x80000000u) p ^= b;
-        b = (b & 1) ? (b >> 1) ^ 0x82F63B78u : b >> 1;
-    }
-    return p;
-}
-/* SHIFT_TAB[l][k][v] = (v << 8k) * x^(8 * 2^l) mod P: multiplying a register by x^(8 * 2^l)
- * (appending 2^l zero bytes) is linear, so it is 4 byte lookups instead of multmodp's
- * 32-step loop. X8LO[i] = x^(8 i), X8HI[j] = x^(8 * 4096 j), POW32[j] = x^(8 * 32 j): one or
- * two lookups and one multmodp append any number of zero bytes. All filled once per device
- * by uz_init_tables, read through L2; crc_par fetches what it needs before its main loop. */
-#define X8LO_N 4096
-#define X8HI_N 16384
-#define POW32_N 32768
-__device__ u32 X8LO[X8LO_N], X8HI[X8HI_N], POW32[POW32_N];
-/* x^(8 n * 2^sh) by square-and-multiply over the bits of n (init only) */
-__device__ u32 xpow_slow(u64 n, u32 sh) {
-    u32 p = 0x80000000u; /* x^0 */
-    for (u32 k = 3 + sh; n; n >>= 1, k++)
-        if (n & 1) p = multmodp(X2N[k & 31], p);
-    return p;
-}
-extern "C" __global__ void uz_init_tables() {
-    const u32 e = blockIdx.x * blockDim.x + threadIdx.x;
-    if (e < NSHIFT * 1024) {
-        const u32 l = e >> 10, k = (e >> 8) & 3u, v = e & 255u;
-        SHIFT_TAB[e] = multmodp(X2N[(l + 3) & 31], v << (8 * k));
-    }
-    if (e < X8LO_N) X8LO[e] = xpow_slow(e, 0);
-    if (e < X8HI_N) X8HI[e] = xpow_slow(e, 12);
-    if (e < POW32_N) POW32[e] = xpow_slow(e, 5);
-}
-#define INIT_TABLE_THREADS (NSHIFT * 1024 > POW32_N ? NSHIFT * 1024 : POW32_N)
-__device__ __forceinline__ u32 crc_shift_pow2(u32 c, u32 l) {
-    const u32 *t = SHIFT_TAB + l * 1024u;
-    return __ldg(t + (c & 0xFFu)) ^ __ldg(t + 256 + ((c >> 8) & 0xFFu)) ^ __ldg(t + 512 + ((c >> 16) & 0xFFu)) ^
-           __ldg(t + 768 + (c >> 24));
-}
-/* x^(8 n) mod P; n < 2^26 by table, beyond by the bit loop (header CRCs of huge tensors) */
-__device__ __forceinline__ u32 xpow8(u64 n) {
-    if (n < X8LO_N) return __ldg(X8LO + n);
-    if ((n >> 12) < X8HI_N) return multmodp(__ldg(X8HI + (n >> 12)), __ldg(X8LO + (n & 4095)));
-    return xpow_slow(n, 0);
-}
-/* register c followed by n zero bytes (crc32c_combine's multiply) */
-__device__ __forceinline__ u32 crc_shift(u32 c, u64 n) { return n ? multmodp(xpow8(n), c) : c; }
-/* the same by 2^15 bytes, from the shared-memory copy of SHIFT_TAB[15] */
-__device__ __forceinline__ u32 crc_shift_32k(const u32 *t, u32 c) {
-    return t[c & 0xFFu] ^ t[256 + ((c >> 8) & 0xFFu)] ^ t[512 + ((c >> 16) & 0xFFu)] ^ t[768 + (c >> 24)];
+/* The share of 16-byte group number g (from the hashed range's start) of the sum. */
+__device__ __forceinline__ u64 uzh_chunk(uint4 v, u32 g) {
+    u32 k = uzh_key(g);
+    return (u64)v.x * (k | 1u) + (u64)v.y * (k | 3u) + (u64)v.z * (k | 5u) + (u64)v.w * (k | 7u);
 }
 
-/* Continues registers c[0..K) over K byte ranges of equal length len starting at q + k * stride
- * (any alignment, all with the same alignment); the K chains are independent, interleaved
- * so their table-lookup latencies overlap. Reads exactly the bytes of the ranges. */
-template <int K, int SL = CRC_SLICE>
-__device__ __forceinline__ void crc_run(const u32 *tab, u32 *c, const u8 *q, u64 stride, u32 len) {
-    u32 o = 0;
-    for (; o < len && (((size_t)q + o) & 3); o++)
-#pragma unroll
-        for (int k = 0; k < K; k++) c[k] = crc_b(tab, c[k], q[k * stride + o]);
-    for (; o + 4 <= len && (((size_t)q + o) & 15); o += 4)
-#pragma unroll
-        for (int k = 0; k < K; k++) c[k] = crc_w<SL>(tab, c[k], *(const u32 *)(q + k * stride + o));
-    for (; o + 32 <= len; o += 32) {
-        uint4 v[K][2];
-#pragma unroll
-        for (int k = 0; k < K; k++) {
-            v[k][0] = *(const uint4 *)(q + k * stride + o);
-            v[k][1] = *(const uint4 *)(q + k * stride + o + 16);
-        }
-#pragma unroll
-        for (int h = 0; h < 2; h++)
-#pragma unroll
-            for (int k = 0; k < K; k++) c[k] = crc_q<SL>(tab, c[k], v[k][h]);
-    }
-    for (; o + 4 <= len; o += 4)
-#pragma unroll
-        for (int k = 0; k < K; k++) c[k] = crc_w<SL>(tab, c[k], *(const u32 *)(q + k * stride + o));
-    for (; o < len; o++)
-#pragma unroll
-        for (int k = 0; k < K; k++) c[k] = crc_b(tab, c[k], q[k * stride + o]);
+/* The share of the 32-bit word at byte offset `off` (a multiple of 4) of the range. */
+__device__ __forceinline__ u64 uzh_word(u32 w, u64 off) {
+    return (u64)w * (uzh_key((u32)(off >> 4)) | (u32)(2 * ((off >> 2) & 3) + 1));
 }
-/* CRC32C (finished) of [p, p + n), by all TPB threads; returns it to every thread.
- * The range is cut into a head (up to the first 16-byte boundary, one thread), a middle of
- * whole 32-byte slots, and a tail (< 32 bytes, one thread). The middle is read in rows of
- * 1 KB: a warp loads a row with coalesced 16-byte loads (lane L: pieces L and L + 32),
- * passes each piece to f (the histogram of uz_enc_stats), and transposes the row through
- * shared memory (XOR-swizzled: conflict-free both ways) so that lane u then holds slot u
- * (32 contiguous bytes) and runs the table CRC over it. When every lane streamed its own
- * contiguous chunk instead, each warp load touched 32 cache lines and crc_par ran at
- * ~1.2 TB/s (4.6 bytes per clock per SM). A warp takes two rows per step (two independent
- * chains per lane); chain c of warp w covers rows w + 16 c, w + 16 (c + 2), ...: 32 KB apart,
- * so each slot register is folded in Horner-style with one x^(8 * 2^15) shift (4 lookups).
- * At the end each chain is shifted to the end of the middle (crc_shift), all are XORed,
- * and thread 0 joins head, middle and tail (CRC linearity, as crc32c_combine).
- * red: TPB / 32 + 4 words; stg: 16 warps x 2 KB of shared memory (16-byte aligned). */
-struct NoPieceFn { __device__ __forceinline__ void operator()(const uint4 &, u64) const {} };
-template <class F>
-__device__ u32 crc_par(const u32 *tab, const u8 *p, u64 n, u32 *red, uint4 *stg, F f) {
-    static_assert(TPB == 512, "row schedule assumes 16 warps (32 KB between a chain's rows)");
-    const u32 t = threadIdx.x, lane = t & 31, warp = t >> 5;
-    const u8 *A = (const u8 *)min(((size_t)p + 15) & ~(size_t)15, (size_t)(p + n));
-    const u64 head = (u64)(A - p);
-    const u64 mid = (n - head) & ~(u64)31;
-    const u64 tail = n - head - mid;
-    const u64 Cm = mid / 32, R = (mid + 1023) / 1024;
-    uint4 *sw = stg + warp * 128;
-    const u32 *sh32k = tab - (threadIdx.x & 31) + CRC_SLICE * 256 * 32;
-    u32 acc[2] = {0u, 0u};
-    long long lastm[2] = {-1, -1};
-    /* each chain's final shift (to the end of the middle) is known up front: fetch its
-     * constant now, so the end costs one multmodp instead of a chain of L2 lookups */
-    u32 kfin[2] = {0u, 0u};
-    {
-        const u64 Rl = Cm > lane ? (Cm - lane + 31) / 32 : 0; /* rows in which this lane has a slot */
-#pragma unroll
-        for (int c = 0; c < 2; c++) {
-            const u64 r1 = warp + 16 * c;
-            if (Rl > r1) {
-                const u64 rl = r1 + 32 * ((Rl - 1 - r1) / 32);
-                const u64 d = Cm - 1 - (rl * 32 + lane);
-                kfin[c] = d < POW32_N ? __ldg(POW32 + d) : xpow8(32 * d);
-            }
+
+/* Sum over the CUDA block; every thread gets the total. `red`: NW words of shared memory. */
+__device__ u64 block_sum(u64 v, u64 *red) {
+    for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    __syncthreads(); /* red may still be read from a previous call */
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+    __syncthreads();
+    u64 t = 0;
+    for (int i = 0; i < NW; i++) t += red[i];
+    return t;
+}
+
+__device__ __forceinline__ uint4 zero4() { return make_uint4(0u, 0u, 0u, 0u); }
+
+/* Bytes [0, valid) of the 16 at p, the rest zero: the tail of a tensor, which may end
+ * anywhere, is never read past its end. */
+__device__ uint4 load16_partial(const u8 *p, u32 valid) {
+    if (valid >= 16) return *(const uint4 *)p;
+    u32 w[4] = {0u, 0u, 0u, 0u};
+    for (u32 i = 0; i < valid; i++) w[i >> 2] |= (u32)p[i] << (8 * (i & 3));
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+__device__ void store16_partial(u8 *p, uint4 v, u32 valid) {
+    if (valid >= 16) {
+        *(uint4 *)p = v;
+        return;
+    }
+    u32 w[4] = {v.x, v.y, v.z, v.w};
+    for (u32 i = 0; i < valid; i++) p[i] = (u8)(w[i >> 2] >> (8 * (i & 3)));
+}
+
+__device__ __forceinline__ uint4 zero_tail(uint4 v, u32 valid) {
+    if (valid >= 16) return v;
+    u32 w[4] = {v.x, v.y, v.z, v.w};
+    for (int i = 0; i < 4; i++) {
+        u32 keep = valid <= 4u * i ? 0u : valid >= 4u * i + 4 ? 0xffffffffu : (1u << (8 * (valid - 4 * i))) - 1u;
+        w[i] &= keep;
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+/* ---- layouts (docs/format.md, "Layouts"): 16 elements <-> one 16-byte vector per plane ---- */
+
+/* bf16 pairs: word w holds two elements; exponents are bits 14..7 of each half. */
+__device__ __forceinline__ void bf16_split4(u32 w0, u32 w1, u32 &e, u32 &s) {
+    e = __byte_perm(w0 >> 7, w1 >> 7, 0x6420);
+    u32 s0 = (w0 & 0x007F007Fu) | ((w0 >> 8) & 0x00800080u);
+    u32 s1 = (w1 & 0x007F007Fu) | ((w1 >> 8) & 0x00800080u);
+    s = __byte_perm(s0, s1, 0x6420);
+}
+
+__device__ __forceinline__ void bf16_merge4(u32 e, u32 s, u32 &w0, u32 &w1) {
+    u32 e0 = __byte_perm(e, 0u, 0x4140), e1 = __byte_perm(e, 0u, 0x4342);
+    u32 s0 = __byte_perm(s, 0u, 0x4140), s1 = __byte_perm(s, 0u, 0x4342);
+    w0 = (e0 << 7) | (s0 & 0x007F007Fu) | ((s0 << 8) & 0x80008000u);
+    w1 = (e1 << 7) | (s1 & 0x007F007Fu) | ((s1 << 8) & 0x80008000u);
+}
+
+struct LayoutBf16 {
+    enum { ITEM = 2, NPLANES = 2, HPLANE = 0 };
+    __device__ static void split(const uint4 *in, uint4 *pl) {
+        bf16_split4(in[0].x, in[0].y, pl[0].x, pl[1].x);
+        bf16_split4(in[0].z, in[0].w, pl[0].y, pl[1].y);
+        bf16_split4(in[1].x, in[1].y, pl[0].z, pl[1].z);
+        bf16_split4(in[1].z, in[1].w, pl[0].w, pl[1].w);
+    }
+    __device__ static void merge(const uint4 *pl, uint4 *out) {
+        bf16_merge4(pl[0].x, pl[1].x, out[0].x, out[0].y);
+        bf16_merge4(pl[0].y, pl[1].y, out[0].z, out[0].w);
+        bf16_merge4(pl[0].z, pl[1].z, out[1].x, out[1].y);
+        bf16_merge4(pl[0].w, pl[1].w, out[1].z, out[1].w);
+    }
+    __device__ static void merge1(const u8 *b, u8 *dst) {
+        u32 x = ((b[1] & 0x80u) << 8) | ((u32)b[0] << 7) | (b[1] & 0x7Fu);
+        dst[0] = (u8)x;
+        dst[1] = (u8)(x >> 8);
+    }
+};
+
+/* fp32: the high half of an element is laid out like a bf16 (exponent, sign | top mantissa);
+ * planes 1 and 2 are its low two bytes. */
+__device__ __forceinline__ void fp32_split4(uint4 x, u32 &e, u32 &p1, u32 &p2, u32 &p3) {
+    u32 t01 = __byte_perm(x.x, x.y, 0x5140), t23 = __byte_perm(x.z, x.w, 0x5140);
+    p1 = __byte_perm(t01, t23, 0x5410);
+    p2 = __byte_perm(t01, t23, 0x7632);
+    bf16_split4(__byte_perm(x.x, x.y, 0x7632), __byte_perm(x.z, x.w, 0x7632), e, p3);
+}
+
+__device__ __forceinline__ uint4 fp32_merge4(u32 e, u32 p1, u32 p2, u32 p3) {
+    u32 h01, h23;
+    bf16_merge4(e, p3, h01, h23);
+    u32 t01 = __byte_perm(p1, p2, 0x5140), t23 = __byte_perm(p1, p2, 0x7362);
+    return make_uint4(__byte_perm(t01, h01, 0x5410), __byte_perm(t01, h01, 0x7632),
+                      __byte_perm(t23, h23, 0x5410), __byte_perm(t23, h23, 0x7632));
+}
+
+struct LayoutFp32 {
+    enum { ITEM = 4, NPLANES = 4, HPLANE = 0 };
+    __device__ static void split(const uint4 *in, uint4 *pl) {
+        fp32_split4(in[0], pl[0].x, pl[1].x, pl[2].x, pl[3].x);
+        fp32_split4(in[1], pl[0].y, pl[1].y, pl[2].y, pl[3].y);
+        fp32_split4(in[2], pl[0].z, pl[1].z, pl[2].z, pl[3].z);
+        fp32_split4(in[3], pl[0].w, pl[1].w, pl[2].w, pl[3].w);
+    }
+    __device__ static void merge(const uint4 *pl, uint4 *out) {
+        out[0] = fp32_merge4(pl[0].x, pl[1].x, pl[2].x, pl[3].x);
+        out[1] = fp32_merge4(pl[0].y, pl[1].y, pl[2].y, pl[3].y);
+        out[2] = fp32_merge4(pl[0].z, pl[1].z, pl[2].z, pl[3].z);
+        out[3] = fp32_merge4(pl[0].w, pl[1].w, pl[2].w, pl[3].w);
+    }
+    __device__ static void merge1(const u8 *b, u8 *dst) {
+        u32 x = ((b[3] & 0x80u) << 24) | ((u32)b[0] << 23) | ((b[3] & 0x7Fu) << 16) | ((u32)b[2] << 8) | b[1];
+        for (int i = 0; i < 4; i++) dst[i] = (u8)(x >> (8 * i));
+    }
+};
+
+/* bytes layout: plane j = byte j of each element. The GPU encoder codes the byte that holds
+ * the exponent: the only one of 1-byte dtypes (fp8, int8, ...), the high byte of fp16; wider
+ * integer and float64/complex dtypes are stored as RAW blocks (HPLANE -1). */
+template <int N>
+struct LayoutBytes {
+    enum { ITEM = N, NPLANES = N, HPLANE = N == 1 ? 0 : N == 2 ? 1 : -1 };
+    /* a 16x16 byte transpose, N x 16 bytes each way; N = 1, 2 and 4 have permute versions */
+    __device__ static void split(const uint4 *in, uint4 *pl) {
+        if (N == 1) {
+            pl[0] = in[0];
+        } else if (N == 2) {
+            pl[0] = make_uint4(__byte_perm(in[0].x, in[0].y, 0x6420), __byte_perm(in[0].z, in[0].w, 0x6420),
+                               __byte_perm(in[1].x, in[1].y, 0x6420), __byte_perm(in[1].z, in[1].w, 0x6420));
+            pl[1] = make_uint4(__byte_perm(in[0].x, in[0].y, 0x7531), __byte_perm(in[0].z, in[0].w, 0x7531),
+                               __byte_perm(in[1].x, in[1].y, 0x7531), __byte_perm(in[1].z, in[1].w, 0x7531));
+        } else {
+            const u8 *src = (const u8 *)in;
+            u8 *dst = (u8 *)pl;
+            for (int i = 0; i < 16; i++)
+                for (int j = 0; j < N; j++) dst[16 * j + i] = src[N * i + j];
         }
     }
-    u32 hshift = 0, ktail = 0;
-    if (t == 0) { /* head: from ~0, any alignment, < 16 bytes; moved to the end right away */
-        u32 c = 0xFFFFFFFFu;
-        for (u64 i = 0; i < head; i++) c = crc_b(tab, c, p[i]);
-        hshift = crc_shift(c, mid + tail);
-        ktail = xpow8(tail);
+    __device__ static void merge(const uint4 *pl, uint4 *out) {
+        if (N == 1) {
+            out[0] = pl[0];
+        } else if (N == 2) {
+            out[0] = make_uint4(__byte_perm(pl[0].x, pl[1].x, 0x5140), __byte_perm(pl[0].x, pl[1].x, 0x7362),
+                                __byte_perm(pl[0].y, pl[1].y, 0x5140), __byte_perm(pl[0].y, pl[1].y, 0x7362));
+            out[1] = make_uint4(__byte_perm(pl[0].z, pl[1].z, 0x5140), __byte_perm(pl[0].z, pl[1].z, 0x7362),
+                                __byte_perm(pl[0].w, pl[1].w, 0x5140), __byte_perm(pl[0].w, pl[1].w, 0x7362));
+        } else {
+            const u8 *src = (const u8 *)pl;
+            u8 *dst = (u8 *)out;
+            for (int i = 0; i < 16; i++)
+                for (int j = 0; j < N; j++) dst[N * i + j] = src[16 * j + i];
+        }
     }
-    /* software-pipelined: the next step's rows are loaded before this step's chains run */
-    uint4 v[2][2];
-    auto load = [&](u64 r0) {
-#pragma unroll
-        for (int c = 0; c < 2; c++) {
-            const u64 r = r0 + 16 * c;
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const u64 off = r * 1024 + 16 * (lane + 32 * h);
-                if (r < R && off < mid) {
-                    v[c][h] = *(const uint4 *)(A + off);
-                    f(v[c][h], head + off);
+    __device__ static void merge1(const u8 *b, u8 *dst) {
+        for (int j = 0; j < N; j++) dst[j] = b[j];
+    }
+};
+
+/* Plane byte i of a 16-byte vector. */
+__device__ __forceinline__ u32 byte_of(uint4 v, int i) {
+    u32 w = i < 4 ? v.x : i < 8 ? v.y : i < 12 ? v.z : v.w;
+    return (w >> (8 * (i & 3))) & 0xFFu;
+}
+
+/* ---- Huffman codes (docs/format.md, "Plane header") ---- */
+
+/* Shared tables of one plane's code, used by the encoder and both decoders. */
+struct CodeTables {
+    u32 hist[256];
+    u32 keys[256];     /* encoder: (count << 8 | symbol) of the used symbols, ascending */
+    u32 first[MAX_CODE_LEN + 2], limit[MAX_CODE_LEN + 2], offset[MAX_CODE_LEN + 2], lcount[MAX_CODE_LEN + 2];
+    u32 tab[256];      /* encoder: bit-reversed code | length << 16 */
+    u16 wcnt[NW][MAX_CODE_LEN + 1];
+    u8 len[256];
+    u8 sym_at[256];    /* symbols in canonical order: by length, then value */
+};
+
+/* Code lengths for a histogram with n >= 2 used symbols, none longer than MAX_CODE_LEN: the
+ * algorithm of cpu_codec.c's build_lengths (two-queue Huffman over leaves sorted by count,
+ * then deflate's length-limiting repair), so the same lengths. Call with all NT threads;
+ * keys[] holds the n used symbols sorted, len[] is zero. Writes len[] and lcount[].
+ *   - the merge is sequential (thread 0) but keeps both queue heads in registers;
+ *   - depths come from pointer doubling over the parent links (all threads, 9 rounds),
+ *     where a sequential pass over the 2n - 1 nodes was a chain of shared-memory loads;
+ *   - each leaf finds its length from the per-length counts (all threads). */
+__device__ void build_lengths(CodeTables &ct, int n, u32 *w, u16 *up, u32 *depth, u32 *count) {
+    const int tid = threadIdx.x, nodes = 2 * n - 1, root = 2 * n - 2;
+    for (int i = tid; i < n; i += NT) w[i] = ct.keys[i] >> 8;
+    if (tid < 64) count[tid] = 0;
+    __syncthreads();
+    if (tid == 0) {
+        int leaf = 0, inode = n;
+        u32 lw = w[0], iw = 0; /* weights of the next leaf and of the next internal node */
+        for (int next = n; next < nodes; next++) {
+            u32 pick_w[2];
+            int pick[2];
+            for (int t = 0; t < 2; t++) {
+                if (leaf < n && (inode >= next || lw <= iw)) {
+                    pick[t] = leaf;
+                    pick_w[t] = lw;
+                    leaf++;
+                    lw = leaf < n ? w[leaf] : 0u;
+                } else {
+                    pick[t] = inode;
+                    pick_w[t] = iw;
+                    inode++;
+                    iw = inode < next ? w[inode] : 0u;
                 }
             }
+            u32 sum = pick_w[0] + pick_w[1];
+            w[next] = sum;
+            up[pick[0]] = up[pick[1]] = (u16)next;
+            if (inode == next) iw = sum;
         }
-    };
-    if (warp < R) load(warp);
-    for (u64 r0 = warp; r0 < R; r0 += 32) {
-#pragma unroll
-        for (int c = 0; c < 2; c++)
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const u32 q = lane + 32 * h, u = q >> 1, hh = q & 1;
-                sw[c * 64 + u * 2 + (hh ^ ((u >> 2) & 1))] = v[c][h];
-            }
-        __syncwarp();
-        uint4 s[2][2];
-#pragma unroll
-        for (int c = 0; c < 2; c++)
-#pragma unroll
-            for (int hh = 0; hh < 2; hh++) s[c][hh] = sw[c * 64 + lane * 2 + (hh ^ ((lane >> 2) & 1))];
-        __syncwarp();
-        if (r0 + 32 < R) load(r0 + 32);
-        u32 cr[2] = {0u, 0u};
-#pragma unroll
-        for (int hh = 0; hh < 2; hh++)
-#pragma unroll
-            for (int c = 0; c < 2; c++) cr[c] = crc_q(tab, cr[c], s[c][hh]);
-#pragma unroll
-        for (int c = 0; c < 2; c++) {
-            const u64 m = (r0 + 16 * c) * 32 + lane;
-            if (m < Cm) {
-                acc[c] = (lastm[c] >= 0 ? crc_shift_32k(sh32k, acc[c]) : 0u) ^ cr[c];
-                lastm[c] = (long long)m;
-            }
-        }
-    }
-    u32 x = 0;
-#pragma unroll
-    for (int c = 0; c < 2; c++)
-        if (lastm[c] >= 0) x ^= multmodp(kfin[c], acc[c]);
-    x = __reduce_xor_sync(0xFFFFFFFFu, x);
-    if (lane == 0) red[warp] = x;
-    if (t == 32) { /* tail: 16-byte aligned, < 32 bytes */
-        u32 c = 0;
-        const u8 *q = A + mid;
-        u64 i = 0;
-        for (; i + 4 <= tail; i += 4) c = crc_w(tab, c, *(const u32 *)(q + i));
-        for (; i < tail; i++) c = crc_b(tab, c, q[i]);
-        red[TPB / 32 + 1] = c;
+        up[root] = (u16)root;
     }
     __syncthreads();
-    if (t == 0) {
-        u32 m = 0;
-        for (int w = 0; w < TPB / 32; w++) m ^= red[w];
-        const u32 reg = hshift ^ multmodp(ktail, m) ^ red[TPB / 32 + 1];
-        red[TPB / 32 + 2] = n ? ~reg : 0u;
-    }
+    u32 d = tid < nodes && tid != root ? 1u : 0u, a = tid < nodes ? up[tid] : 0u;
+    if (tid < nodes) depth[tid] = d;
     __syncthreads();
-    const u32 r = red[TPB / 32 + 2];
+    for (int round = 0; round < 9; round++) { /* depth = hops to the root: d += d[a], a = a[a] */
+        u32 nd = 0, na = 0;
+        if (tid < nodes) {
+            nd = d + depth[a];
+            na = up[a];
+        }
+        __syncthreads();
+        if (tid < nodes) {
+            depth[tid] = d = nd;
+            up[tid] = (u16)(a = na);
+        }
+        __syncthreads();
+    }
+    if (tid < n) atomicAdd(&count[d < 63 ? d : 63], 1u);
     __syncthreads();
-    return r;
-}
-__device__ __forceinline__ u32 crc_par(const u32 *tab, const u8 *p, u64 n, u32 *red, uint4 *stg) {
-    return crc_par(tab, p, n, red, stg, NoPieceFn());
-}
-
-/* ---- unaligned little-endian access to global memory ---- */
-/* 16 bytes at p (any alignment) as 4 words; reads only the aligned 16-byte words holding
- * them (CUDA allocations come in multiples of 16 bytes: it never leaves one), with 16-byte
- * loads: a warp's loads touch half as many L1 wavefronts as 4-byte ones would */
-__device__ __forceinline__ void load16a(const u8 *p, u32 w[4]) {
-    const size_t a = (size_t)p;
-    const uint4 *q = (const uint4 *)(a & ~(size_t)15);
-    const u32 sh = (u32)(a & 15);
-    const uint4 x = q[0];
-    if (!sh) { w[0] = x.x; w[1] = x.y; w[2] = x.z; w[3] = x.w; return; }
-    const uint4 y = q[1];
-    const u32 X[8] = {x.x, x.y, x.z, x.w, y.x, y.y, y.z, y.w};
-    const u32 ws = sh >> 2, bs = (sh & 3) * 8;
-    u32 s[5];
-#pragma unroll
-    for (int k = 0; k < 5; k++) s[k] = ws == 0 ? X[k] : (ws == 1 ? X[k + 1] : (ws == 2 ? X[k + 2] : X[(k + 3) & 7]));
-#pragma unroll
-    for (int k = 0; k < 4; k++) w[k] = __funnelshift_r(s[k], s[k + 1], bs);
-}
-
-__device__ __forceinline__ u32 ld_u16(const u8 *p) { return (u32)p[0] | ((u32)p[1] << 8); }
-__device__ __forceinline__ u32 ld_u32(const u8 *p) {
-    return (u32)p[0] | ((u32)p[1] << 8) | ((u32)p[2] << 16) | ((u32)p[3] << 24);
-}
-__device__ __forceinline__ u32 bytew(const u32 *w, int e) { return (w[e >> 2] >> ((e & 3) * 8)) & 0xFFu; }
-
-/* ---- element layouts (split_planes / merge_planes of cpu_codec.c) ---- */
-template <int LAYOUT, int ISZ> struct Lay {
-    static constexpr int P = LAYOUT == LAYOUT_BYTES ? ISZ : (LAYOUT == LAYOUT_BF16 ? 2 : 4);
-};
-/* plane j byte of the element whose bytes are given as words (ISZ <= 4: one word) */
-template <int LAYOUT, int ISZ> __device__ __forceinline__ u32 plane_sym(u32 x, int j) {
-    if (LAYOUT == LAYOUT_BF16) return j == 0 ? (x >> 7) & 0xFFu : (((x >> 8) & 0x80u) | (x & 0x7Fu));
-    if (LAYOUT == LAYOUT_FP32) {
-        if (j == 0) return (x >> 23) & 0xFFu;
-        if (j == 1) return x & 0xFFu;
-        if (j == 2) return (x >> 8) & 0xFFu;
-        return ((x >> 24) & 0x80u) | ((x >> 16) & 0x7Fu);
-    }
-    return (x >> (8 * j)) & 0xFFu;
-}
-/* 16 elements from P planes of 16 bytes each -> 4*ISZ output words */
-template <int LAYOUT, int ISZ> __device__ __forceinline__ void merge16(const u32 (*pw)[4], u32 *o) {
-    if (LAYOUT == LAYOUT_BF16) {
-        /* two elements per word: spread their plane bytes to the 16-bit halves (one byte
-         * permute per plane), then shift and mask both halves at once */
-#pragma unroll
-        for (int e = 0; e < 16; e += 2) {
-            const u32 sel = (e & 2) ? 0x4342u : 0x4140u; /* bytes e, e+1 of the word -> bytes 0, 2 */
-            const u32 E = __byte_perm(pw[0][e >> 2], 0u, sel), R = __byte_perm(pw[1][e >> 2], 0u, sel);
-            o[e / 2] = ((R << 8) & 0x80008000u) | (E << 7) | (R & 0x007F007Fu);
-        }
-    } else if (LAYOUT == LAYOUT_FP32) {
-#pragma unroll
-        for (int e = 0; e < 16; e++) {
-            u32 r3 = bytew(pw[3], e);
-            o[e] = ((r3 & 0x80u) << 24) | (bytew(pw[0], e) << 23) | ((r3 & 0x7Fu) << 16) | (bytew(pw[2], e) << 8) |
-                   bytew(pw[1], e);
-        }
-    } else {
-#pragma unroll
-        for (int w = 0; w < 4 * ISZ; w++) {
-            u32 v = 0;
-#pragma unroll
-            for (int b = 0; b < 4; b++) {
-                int i = 4 * w + b;
-                v |= bytew(pw[i % ISZ], i / ISZ) << (8 * b);
-            }
-            o[w] = v;
-        }
-    }
-}
-/* one element from its P plane bytes -> ISZ bytes */
-template <int LAYOUT, int ISZ> __device__ __forceinline__ void merge1(const u32 *pb, u8 *ob) {
-    if (LAYOUT == LAYOUT_BF16) {
-        u32 x = ((pb[1] & 0x80u) << 8) | (pb[0] << 7) | (pb[1] & 0x7Fu);
-        ob[0] = (u8)x; ob[1] = (u8)(x >> 8);
-    } else if (LAYOUT == LAYOUT_FP32) {
-        u32 x = ((pb[3] & 0x80u) << 24) | (pb[0] << 23) | ((pb[3] & 0x7Fu) << 16) | (pb[2] << 8) | pb[1];
-        ob[0] = (u8)x; ob[1] = (u8)(x >> 8); ob[2] = (u8)(x >> 16); ob[3] = (u8)(x >> 24);
-    } else {
-#pragma unroll
-        for (int j = 0; j < ISZ; j++) ob[j] = (u8)pb[j];
-    }
-}
-
-/* ---- Huffman decoding ---- */
-/* LUT entry (u32), indexed by the next 11 bits of the stream (LSB first):
- *   bits 0-7 first symbol, 8-15 second symbol (0 when there is none), 16-20 bits consumed
- *   by the pair (= first length when there is no second code), 21: a second code fits in the
- *   11 bits, 22: no code starts here (lengths read as 1), 27-31 first code's length.
- * The first length sits on top so a single-symbol decoder gets it with one shift; the
- * 2-symbol entries halve the serial lookup chain of the pair decoder, as the CPU's do. */
-#define LUT_LEN1(e) ((e) >> 27)
-#define LUT_LEN2(e) (((e) >> 16) & 0x1Fu)
-#define LUT_TWO(e) (((e) >> 21) & 1u)
-#define LUT_BAD_BIT (1u << 22)
-#define LUT_SINGLE(sym, l) ((sym) | ((u32)(l) << 27) | ((u32)(l) << 16))
-#define LUT_NOCODE (LUT_SINGLE(0u, 1u) | LUT_BAD_BIT)
-struct HuffReader {
-    u64 buf;          /* bit buffer, next bit at bit 0 */
-    int nb;           /* valid bits in buf */
-    const uint4 *qp, *qend; /* next aligned 16-byte word to load / end */
-    uint4 cur, nxt;   /* the 16-byte word being consumed and the next one, loaded one word ahead */
-    u32 wi;           /* next 4-byte word of cur */
-    /* A refill takes a word already in registers; the load of `nxt` is issued 4 refills
-     * (~12 symbols each) before it is needed, so the decode chain never waits for L2. With
-     * one word loaded at refill time, lanes refilled at different symbols and the warp
-     * stalled on some lane's load at nearly every lookup. */
-    u32 used, bad;    /* bits consumed; nonzero once a lookup hit "no code" */
-    u64 pend;         /* decoded symbols not handed out yet (at most one, low byte first) */
-    u32 npend;
-    __device__ __forceinline__ uint4 ldq() {
-        const uint4 v = qp < qend ? *qp : make_uint4(0u, 0u, 0u, 0u);
-        qp++;
-        return v;
-    }
-    __device__ __forceinline__ u32 word() {
-        const u32 w = wi == 0 ? cur.x : (wi == 1 ? cur.y : (wi == 2 ? cur.z : cur.w));
-        if (++wi == 4) { cur = nxt; nxt = ldq(); wi = 0; }
-        return w;
-    }
-    __device__ __forceinline__ void init(const u8 *p, u32 nbytes) {
-        const size_t a = (size_t)p;
-        qp = (const uint4 *)(a & ~(size_t)15);
-        qend = (const uint4 *)((a + nbytes + 15) & ~(size_t)15);
-        used = 0; bad = 0; pend = 0; npend = 0;
-        cur = ldq(); nxt = ldq();
-        wi = (u32)(a & 15) / 4;
-        const u32 sk = (u32)(a & 3) * 8;
-        const u32 w0 = word(), w1 = word();
-        buf = ((u64)w0 | ((u64)w1 << 32)) >> sk;
-        nb = 64 - (int)sk;
-    }
-    __device__ __forceinline__ void refill() {
-        buf |= (u64)word() << nb;
-        nb += 32;
-    }
-    /* one symbol (single-code fields of the entry) */
-    __device__ __forceinline__ u32 dec(const u32 *lut) {
-        u32 e = lut[buf & (LUT_SIZE - 1)];
-        u32 l = LUT_LEN1(e);
-        bad |= e & LUT_BAD_BIT;
-        buf >>= l; nb -= l; used += l;
-        return e & 0xFFu;
-    }
-    __device__ __forceinline__ u32 dec1(const u32 *lut) {
-        if (npend) { u32 s = (u32)pend & 0xFFu; pend >>= 8; npend--; return s; }
-        if (nb < 11) refill();
-        return dec(lut);
-    }
-    /* 16 symbols into 4 words with single lookups (for a sub-stream's last 16 symbols) */
-    __device__ __forceinline__ void dec16_single(const u32 *lut, u32 *w) {
-#pragma unroll
-        for (int q = 0; q < 4; q++) {
-            u32 a = dec1(lut), b = dec1(lut), c = dec1(lut), d = dec1(lut);
-            w[q] = a | (b << 8) | (c << 16) | (d << 24);
-        }
-    }
-    /* 16 symbols into 4 words with pair lookups. The caller guarantees the sub-stream holds
-     * at least one more symbol after these 16, so a pair never reads past its end; the
-     * 17th symbol, if a pair produced it, is kept in pend. */
-    __device__ __forceinline__ void dec16(const u32 *lut, u32 *w) {
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            u64 acc = pend;
-            u32 na = npend, carry = 0;
-            while (na < 8) {
-                if (nb < 32) refill();
-                u32 e = lut[buf & (LUT_SIZE - 1)];
-                u32 l = LUT_LEN2(e), two = LUT_TWO(e);
-                bad |= e & LUT_BAD_BIT;
-                buf >>= l; nb -= l; used += l;
-                acc |= (u64)(e & 0xFFFFu) << (8 * na); /* at na == 7 the second symbol falls off: carry */
-                if (na == 7) carry = (e >> 8) & 0xFFu;
-                na += 1 + two;
-            }
-            w[2 * h] = (u32)acc; w[2 * h + 1] = (u32)(acc >> 32);
-            npend = na - 8;
-            pend = npend ? carry : 0;
-        }
-    }
-    __device__ __forceinline__ bool ok(u32 nbytes) const { return !bad && npend == 0 && (used + 7) / 8 == nbytes; }
-};
-
-/* Parsed Huffman plane (decode_plane's checks). */
-struct HuffPlane {
-    const u8 *lens;  /* nibbles */
-    const u8 *ends;
-    const u8 *data;
-    u32 lo, hi, k, total, count;
-};
-
-#define LUT_SCRATCH (36 + 256 + 4 + 64)
-/* Builds the 2^11-entry pair LUT in smem from the nibble-coded lengths, with NT threads
- * (t = 0..NT-1): a whole CUDA block (uz_dec_fast/slow) or a group of uz_dec_wide. Every
- * thread of the CUDA block calls it (uniform barriers); with active == false a thread's
- * group does nothing. Returns 0, E_HUFF_LEN (a length over 11) or E_HUFF_KRAFT
- * (over-subscribed). Everything is parallel: a thread per symbol reads its length once (a
- * serial loop of dependent global loads on thread 0 cost ~20 us per block), counts go
- * through shared atomics, and a symbol's place in the canonical order is a count over the
- * smaller symbols. scratch: >= LUT_SCRATCH words of smem. */
-template <int NT>
-__device__ u32 build_lut_group(const HuffPlane &h, bool active, u32 *lut, u32 *scratch, u32 t) {
-    u32 *cnt = scratch, *first = scratch + 12, *offs = scratch + 24, *sorted = scratch + 36, *okp = scratch + 36 + 256;
-    u8 *slen = (u8 *)(scratch + 36 + 256 + 4);
-    const u32 span = active ? h.hi - h.lo + 1 : 0;
-    if (active) {
-        if (t < 12) cnt[t] = 0;
-        if (t == 0) *okp = 0;
-    }
-    __syncthreads();
-    if (active)
-        for (u32 s = t; s < 256; s += NT) {
-            u32 l = 0;
-            if (s < span) {
-                l = (h.lens[s / 2] >> ((s & 1) * 4)) & 0xFu;
-                if (l > MAX_CODE_LEN) { atomicOr(okp, 1u); l = 0; }
-                else if (l) atomicAdd(&cnt[l], 1u);
-            }
-            slen[s] = (u8)l;
-        }
-    __syncthreads();
-    if (active && t == 0) {
-        u32 c = 0, kraft = 0, o = 0;
-        for (int l = 1; l <= MAX_CODE_LEN; l++) {
-            c = (c + cnt[l - 1]) << 1;
-            first[l] = c;
-            offs[l] = o;
-            o += cnt[l];
-            kraft += cnt[l] << (MAX_CODE_LEN - l);
-        }
-        if (kraft > LUT_SIZE) *okp |= 2u;
-    }
-    __syncthreads();
-    const u32 bad = active ? *okp : 1u;
-    if (!bad)
-        for (u32 s = t; s < span; s += NT)
-            if (slen[s]) {
-                const u32 l = slen[s];
-                u32 r = 0;
-                for (u32 q = 0; q < s; q++) r += slen[q] == l;
-                sorted[offs[l] + r] = h.lo + s;
-            }
-    __syncthreads();
-    if (!bad)
-        for (u32 j = t; j < LUT_SIZE; j += NT) {
-            u32 r = __brev(j) >> 21, e = LUT_NOCODE;
-            for (int l = 1; l <= MAX_CODE_LEN; l++) {
-                u32 c = r >> (MAX_CODE_LEN - l);
-                if (c - first[l] < cnt[l]) {
-                    e = LUT_SINGLE(sorted[offs[l] + c - first[l]], l);
+    if (tid == 0) {
+        for (int l = MAX_CODE_LEN + 1; l < 64; l++) count[MAX_CODE_LEN] += count[l];
+        u32 kraft = 0;
+        for (int l = 1; l <= MAX_CODE_LEN; l++) kraft += count[l] << (MAX_CODE_LEN - l);
+        while (kraft > LUT_SIZE) {
+            count[MAX_CODE_LEN]--;
+            for (int l = MAX_CODE_LEN - 1; l > 0; l--)
+                if (count[l]) {
+                    count[l]--;
+                    count[l + 1] += 2;
                     break;
                 }
-            }
-            lut[j] = e;
+            kraft--;
         }
+        ct.lcount[0] = 0;
+        for (int l = 1; l <= MAX_CODE_LEN; l++) ct.lcount[l] = count[l];
+    }
     __syncthreads();
-    u32 v[LUT_SIZE / NT];
-    if (!bad)
-#pragma unroll
-        for (int q = 0; q < LUT_SIZE / NT; q++) {
-            const u32 j = t + q * NT;
-            u32 e = lut[j];
-            if (!(e & LUT_BAD_BIT)) {
-                const u32 l1 = LUT_LEN1(e), e2 = lut[j >> l1], l2 = LUT_LEN1(e2);
-                if (!(e2 & LUT_BAD_BIT) && l1 + l2 <= MAX_CODE_LEN)
-                    e = (e & ~(0x1Fu << 16)) | ((e2 & 0xFFu) << 8) | ((l1 + l2) << 16) | (1u << 21);
-            }
-            v[q] = e;
-        }
+    /* the least frequent symbols (front of keys) take the longest codes */
+    if (tid < n) {
+        u32 before = 0, l = MAX_CODE_LEN;
+        for (; l > 1 && (u32)tid >= before + ct.lcount[l]; l--) before += ct.lcount[l];
+        ct.len[ct.keys[tid] & 0xFF] = (u8)l;
+    }
     __syncthreads();
-    if (!bad)
-#pragma unroll
-        for (int q = 0; q < LUT_SIZE / NT; q++) lut[t + q * NT] = v[q];
-    __syncthreads();
-    if (!active) return 0;
-    return (bad & 1u) ? (u32)E_HUFF_LEN : (bad ? (u32)E_HUFF_KRAFT : 0u);
 }
 
-/* Parses one plane at *p (bounded by end) with count symbols: decode_plane's header checks.
- * Returns 0 or an error code. Thread-local. */
-__device__ u32 parse_plane(const u8 *&p, const u8 *end, u32 count, u32 substream, u32 &mode, u32 &cval,
-                           const u8 *&raw, HuffPlane &h) {
-    if (p >= end) return E_PLANE_HDR;
-    mode = *p++;
-    if (mode == PLANE_RAW) {
-        if ((u64)(end - p) < count) return E_RAW_PLANE;
-        raw = p;
-        p += count;
-        return 0;
+/* Per-length counts of len[] (all threads). */
+__device__ void count_lengths(CodeTables &ct) {
+    const int tid = threadIdx.x;
+    if (tid <= MAX_CODE_LEN) ct.lcount[tid] = 0;
+    __syncthreads();
+    if (tid < 256 && ct.len[tid]) atomicAdd(&ct.lcount[ct.len[tid]], 1u);
+    __syncthreads();
+}
+
+/* From lcount[]: the canonical first code and the 11-bit window limit of every length, and
+ * each length's offset in canonical order. Thread 0; returns false if the lengths
+ * over-subscribe the code space (only a hostile frame does). */
+__device__ bool canonical_bounds(CodeTables &ct) {
+    ct.lcount[0] = 0;
+    u32 c = 0, kraft = 0, off = 0;
+    for (int l = 1; l <= MAX_CODE_LEN; l++) {
+        c = (c + ct.lcount[l - 1]) << 1;
+        ct.first[l] = c;
+        ct.limit[l] = (c + ct.lcount[l]) << (MAX_CODE_LEN - l);
+        ct.offset[l] = off;
+        off += ct.lcount[l];
+        kraft += ct.lcount[l] << (MAX_CODE_LEN - l);
     }
-    if (mode == PLANE_CONST) {
-        if (p >= end) return E_CONST_PLANE;
-        cval = *p++;
-        return 0;
+    return kraft <= LUT_SIZE;
+}
+
+/* Every thread s < 256 with a code: its rank among the symbols of its length in value
+ * order, i.e. its code is first[len] + rank (cpu_codec.c's assign_codes, in parallel).
+ * Call with all NT threads; canonical_bounds must have run. */
+__device__ u32 canonical_rank(CodeTables &ct) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    u32 l = 0, rank = 0;
+    if (tid < 256) {
+        l = ct.len[tid];
+        if (lane <= MAX_CODE_LEN) ct.wcnt[warp][lane] = 0;
+        __syncwarp();
+        u32 peers = __match_any_sync(0xffffffffu, l);
+        rank = __popc(peers & lanemask_lt());
+        if (lane == __ffs(peers) - 1) ct.wcnt[warp][l] = (u16)__popc(peers);
     }
-    if (mode != PLANE_HUFF) return E_PLANE_MODE;
-    if (count == 0) return E_HUFF_EMPTY;
-    if (end - p < 2) return E_HUFF_TABLE;
-    h.lo = p[0];
-    h.hi = h.lo + p[1];
-    p += 2;
-    if (h.hi > 255) return E_HUFF_RANGE;
-    u32 nib = (h.hi - h.lo + 2) / 2;
-    if ((u64)(end - p) < nib) return E_HUFF_TABLE;
-    if (((h.hi - h.lo) & 1) == 0 && (p[nib - 1] >> 4)) return E_HUFF_PAD;
-    h.lens = p;
-    p += nib;
-    h.k = (count + substream - 1) / substream;
-    h.count = count;
-    if ((u64)(end - p) < 2ull * h.k) return E_ENDS;
-    h.ends = p;
-    h.data = p + 2 * h.k;
-    h.total = ld_u16(h.ends + 2 * (h.k - 1));
-    if ((u64)(end - h.data) < h.total) return E_STREAMS_PAST;
-    p = h.data + h.total;
+    __syncthreads();
+    if (tid < 256)
+        for (int w = 0; w < warp; w++) rank += ct.wcnt[w][l];
+    return rank;
+}
+
+/* ---- decoding tables (cpu_codec.c's build_lut) ---- */
+
+#define LUT_BAD_BIT (1u << 24)
+
+/* Builds the single-symbol table (symbol | length << 8, 0 = no code starts here) and the
+ * decode table over 11-bit windows: up to three symbols (bits 0-23), the error flag (24),
+ * the symbols yielded (25-26) and the bits consumed (27-31). Invalid entries yield one
+ * symbol and consume nothing, as on the CPU. Call with all threads; len[] set; returns false
+ * (for every thread) if the lengths over-subscribe the code space. */
+__device__ bool build_lut(CodeTables &ct, u32 *lut, u16 *single, u32 *flag) {
+    const int tid = threadIdx.x;
+    count_lengths(ct);
+    if (tid == 0) *flag = canonical_bounds(ct) ? 1u : 0u;
+    __syncthreads();
+    if (!*flag) return false;
+    u32 rank = canonical_rank(ct);
+    if (tid < 256 && ct.len[tid]) ct.sym_at[ct.offset[ct.len[tid]] + rank] = (u8)tid;
+    __syncthreads();
+    u32 limit[MAX_CODE_LEN + 1];
+    for (int l = 1; l <= MAX_CODE_LEN; l++) limit[l] = ct.limit[l];
+    for (int j = tid; j < LUT_SIZE; j += NT) {
+        u32 v = __brev((u32)j) >> (32 - MAX_CODE_LEN); /* the window, first bit most significant */
+        u32 l = MAX_CODE_LEN + 1; /* the shortest length whose codes reach past v */
+        for (int m = MAX_CODE_LEN; m >= 1; m--) l = v < limit[m] ? (u32)m : l;
+        u16 e = 0;
+        if (l <= MAX_CODE_LEN) e = (u16)(ct.sym_at[ct.offset[l] + (v >> (MAX_CODE_LEN - l)) - ct.first[l]] | (l << 8));
+        single[j] = e;
+    }
+    __syncthreads();
+    for (int j = tid; j < LUT_SIZE; j += NT) {
+        u32 e = single[j] & 0xFFu, used = single[j] >> 8, n = 1;
+        if (!used) {
+            lut[j] = LUT_BAD_BIT | (1u << 25);
+            continue;
+        }
+        for (; n < 3; n++) { /* codes no longer than the bits left are decided by them */
+            u32 next = single[j >> used], l = next >> 8;
+            if (!l || used + l > MAX_CODE_LEN) break;
+            e |= (next & 0xFFu) << (8 * n);
+            used += l;
+        }
+        lut[j] = e | (n << 25) | (used << 27);
+    }
+    __syncthreads();
+    return true;
+}
+
+/* Decodes one sub-stream: bytes [start, stop) of a plane's data, `count` symbols into out.
+ * The stream is read as aligned words of the frame, none at or past frame_end. Returns true if
+ * it ends exactly at its length with valid codes. Like the CPU decoder it takes up to three
+ * symbols per lookup while three more fit, then one at a time.
+ *
+ * The refill is branch-free and one word ahead: the next word is loaded (predicated) when the
+ * current one is taken, and used a few lookups later. A branch around the load made every warp
+ * wait for it whenever one of its 32 streams refilled, i.e. at almost every lookup: 350 cycles
+ * per lookup instead of ~50 (docs/gpu.md). */
+__device__ bool decode_substream(const u8 *data, u32 start, u32 stop, u32 count, const u32 *lut,
+                                 const u16 *single, u8 *out, const u32 *frame_end) {
+    const u8 *p = data + start;
+    const u32 *wp = (const u32 *)((unsigned long long)p & ~3ull);
+    const u32 sh = 8u * (u32)((unsigned long long)p & 3ull);
+    u32 w0 = wp < frame_end ? wp[0] : 0u, w1 = wp + 1 < frame_end ? wp[1] : 0u;
+    u32 next = wp + 2 < frame_end ? wp[2] : 0u;
+    u64 buf = ((u64)w0 | ((u64)w1 << 32)) >> sh;
+    u32 nb = 64 - sh, consumed = 0, produced = 0, flags = 0;
+    wp += 3;
+#define UZ_REFILL()                                                       \
+    do {                                                                  \
+        const bool r_ = nb < 32;                                          \
+        buf |= r_ ? (u64)next << nb : 0ull;                               \
+        nb += r_ ? 32u : 0u;                                              \
+        if (r_) next = wp < frame_end ? *wp : 0u; /* predicated load */   \
+        wp += r_ ? 1 : 0;                                                 \
+    } while (0)
+    while (produced + 3 <= count) {
+        UZ_REFILL();
+        u32 e = lut[buf & (LUT_SIZE - 1)];
+        out[produced] = (u8)e;
+        out[produced + 1] = (u8)(e >> 8);
+        out[produced + 2] = (u8)(e >> 16);
+        u32 used = e >> 27;
+        buf >>= used;
+        nb -= used;
+        consumed += used;
+        produced += (e >> 25) & 3u;
+        flags |= e;
+    }
+    while (produced < count) {
+        UZ_REFILL();
+        u32 s = single[buf & (LUT_SIZE - 1)], l = s >> 8;
+        flags |= l ? 0u : LUT_BAD_BIT;
+        l = l ? l : 1u; /* an invalid code ends the stream as corrupt; keep the loop finite */
+        out[produced++] = (u8)s;
+        buf >>= l;
+        nb -= l;
+        consumed += l;
+    }
+#undef UZ_REFILL
+    return !(flags & LUT_BAD_BIT) && (consumed + 7) / 8 == stop - start;
+}
+
+/* ---- block payload structure (docs/format.md, "Block payload") ---- */
+
+struct PlaneDesc {
+    u32 mode, value, count, k, lo, span, len_off, ends_off, data_off, size;
+};
+
+/* Parses `np` plane headers from h[off..] and places their data sections; the first plane
+ * has count0 symbols, the others count. Headers lie in h[0, hlen); the payload is len bytes.
+ * hlen < len means h is a fast decoder's window: a header past it belongs to a block only the
+ * general decoder takes. Returns 0 or an error code; *hdr_end is where the headers end. */
+__device__ u32 parse_planes(const u8 *h, u32 hlen, u32 len, u32 off, int np, u32 count0, u32 count, u32 S,
+                            PlaneDesc *d, u32 *nhuff, u32 *hdr_end) {
+    const u32 cut = hlen < len ? (u32)E_GENERAL : 0u;
+    *nhuff = 0;
+    for (int i = 0; i < np; i++) {
+        PlaneDesc &p = d[i];
+        p.count = i ? count : count0;
+        if (off >= hlen) return cut ? cut : E_PLANE_HDR;
+        p.mode = h[off++];
+        if (p.mode == PLANE_CONST) {
+            if (off >= hlen) return cut ? cut : E_CONST_PLANE;
+            p.value = h[off++];
+        } else if (p.mode == PLANE_HUFF) {
+            if (p.count == 0) return E_HUFF_EMPTY;
+            if (hlen - off < 2) return cut ? cut : E_HUFF_TABLE;
+            p.lo = h[off];
+            p.span = h[off + 1];
+            off += 2;
+            if (p.lo + p.span > 255) return E_HUFF_RANGE;
+            u32 nib = (p.span + 2) / 2;
+            if (hlen - off < nib) return cut ? cut : E_HUFF_TABLE;
+            for (u32 s = 0; s <= p.span; s++)
+                if (((h[off + s / 2] >> (4 * (s & 1))) & 15u) > MAX_CODE_LEN) return E_HUFF_LEN;
+            if ((p.span & 1) == 0 && (h[off + nib - 1] >> 4)) return E_HUFF_PAD;
+            p.len_off = off;
+            off += nib;
+            p.k = (p.count + S - 1) / S;
+            if (hlen - off < 2 * p.k) return cut ? cut : E_ENDS;
+            p.ends_off = off;
+            off += 2 * p.k;
+            (*nhuff)++;
+        } else if (p.mode != PLANE_RAW) {
+            return E_PLANE_MODE;
+        }
+    }
+    *hdr_end = off;
+    for (int i = 0; i < np; i++) {
+        PlaneDesc &p = d[i];
+        if (p.mode == PLANE_CONST) continue;
+        off = align16(off);
+        if (off > len) return E_PLANE_DATA;
+        p.data_off = off;
+        if (p.mode == PLANE_RAW) {
+            p.size = p.count;
+            if (len - off < p.size) return E_RAW_PLANE;
+        } else {
+            const u8 *e = h + p.ends_off + 2 * (p.k - 1);
+            p.size = e[0] | ((u32)e[1] << 8);
+            if (len - off < p.size) return E_STREAMS_PAST;
+        }
+        off += p.size;
+    }
+    return align16(off) == len ? 0u : (u32)E_SIZE;
+}
+
+/* Code lengths of a parsed HUFF plane into ct.len (threads < 256; call with all threads). */
+__device__ void load_lengths(CodeTables &ct, const u8 *h, const PlaneDesc &p) {
+    const int s = threadIdx.x;
+    if (s < 256) {
+        u32 l = 0;
+        if ((u32)s >= p.lo && (u32)s <= p.lo + p.span) {
+            u32 i = s - p.lo;
+            l = (h[p.len_off + i / 2] >> (4 * (i & 1))) & 15u;
+        }
+        ct.len[s] = (u8)l;
+    }
+    __syncthreads();
+}
+
+__device__ __forceinline__ u32 load_u16(const u8 *p) { return p[0] | ((u32)p[1] << 8); }
+
+/* The block table entry of block b: its payload's start and length, checked against the
+ * frame (docs/format.md, "Frame"). Thread 0. Returns 0 or E_PAYLOAD_END. */
+__device__ u32 read_entry(const u8 *frame, u64 table_off, u64 payload_len, u32 b, u32 nblocks, u64 *start,
+                          u32 *len, u64 *hash_orig, u64 *hash_payload) {
+    const u64 *ent = (const u64 *)(frame + table_off) + 3ull * b;
+    u64 s = b ? ent[-3] : 0, e = ent[0];
+    *hash_orig = ent[1];
+    *hash_payload = ent[2];
+    if (e < s || e > payload_len || (e & 15) || (s & 15) || (b == nblocks - 1 && e != payload_len) ||
+        e - s > 0x7FFFFFFFull)
+        return E_PAYLOAD_END;
+    *start = s;
+    *len = (u32)(e - s);
     return 0;
 }
 
-/* ======================= encoder ======================= */
+/* ---- encoder ---- */
 
-/* Element i of a block (ISZ <= 4) as a word. */
-template <int ISZ> __device__ __forceinline__ u32 elem_at(const u8 *bsrc, u32 i) {
-    if (ISZ == 1) return bsrc[i];
-    if (ISZ == 2) return ((const u16 *)bsrc)[i];
-    return ((const u32 *)bsrc)[i];
-}
-/* Plane j byte of element i (split_planes). */
-template <int LAYOUT, int ISZ> __device__ __forceinline__ u32 plane_byte(const u8 *bsrc, u32 i, int j) {
-    if (LAYOUT == LAYOUT_BYTES) return bsrc[(size_t)i * ISZ + j];
-    return plane_sym<LAYOUT, ISZ>(elem_at<ISZ>(bsrc, i), j);
-}
-/* Element el (0..15) of a 16-element chunk held as 4*ISZ words (ISZ <= 4). */
-template <int ISZ> __device__ __forceinline__ u32 elem_of(const u32 *wds, int el) {
-    if (ISZ == 1) return bytew(wds, el);
-    if (ISZ == 2) return (wds[el >> 1] >> ((el & 1) * 16)) & 0xFFFFu;
-    return wds[(el * ISZ) / 4];
-}
+struct EncShared {
+    CodeTables ct;
+    u32 w[512];      /* build_lengths: node weights */
+    u16 parent[512]; /* build_lengths: parent links, then ancestors */
+    u32 depth[512];  /* build_lengths: distance to the ancestor */
+    u32 count[64];   /* build_lengths: leaves per depth */
+    u32 used_mask[8];
+    u32 sbytes[LUT_SIZE / 2]; /* per sub-stream bytes, then their start offsets (k <= 1024) */
+    u32 wsum[NW];
+    u64 red[NW];
+    __align__(16) u8 hdr[HDR_BYTES]; /* mode byte and plane headers, zero padded */
+    u32 data_off[16];
+    u32 ticket, nused, plane_mode, value, lo, hi, k, huff_total, hdr_nbytes, ends_off, size, raw_block;
+    u64 bits, base;
+};
 
-/* build_lengths of cpu_codec.c, after the keys are sorted; one thread. */
-__device__ void build_lengths_tail(const u64 *key, int n, u32 *w, u16 *parent, u8 *depth, u8 *len) {
-    for (int i = 0; i < n; i++) w[i] = (u32)(key[i] >> 8);
-    int leaf = 0, inode = n, next = n;
-    while (next < 2 * n - 1) {
-        int pick[2];
-        for (int t = 0; t < 2; t++) {
-            if (leaf < n && (inode >= next || w[leaf] <= w[inode])) pick[t] = leaf++;
-            else pick[t] = inode++;
-        }
-        w[next] = w[pick[0]] + w[pick[1]];
-        parent[pick[0]] = parent[pick[1]] = (u16)next;
-        next++;
+/* In-place exclusive scan of a[0, n) (n <= 2 * NT) in shared memory; returns the total. */
+__device__ u32 block_scan(u32 *a, u32 n, u32 *wsum) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    u32 i0 = 2 * tid, x0 = i0 < n ? a[i0] : 0u, x1 = i0 + 1 < n ? a[i0 + 1] : 0u;
+    u32 v = x0 + x1, incl = v;
+    for (int o = 1; o < 32; o <<= 1) {
+        u32 t = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += t;
     }
-    int root = 2 * n - 2;
-    u32 count[64];
-    for (int l = 0; l < 64; l++) count[l] = 0;
-    depth[root] = 0;
-    for (int i = root - 1; i >= 0; i--) {
-        depth[i] = (u8)(depth[parent[i]] + 1);
-        if (i < n) count[depth[i] < 63 ? depth[i] : 63]++;
-    }
-    for (int l = MAX_CODE_LEN + 1; l < 64; l++) count[MAX_CODE_LEN] += count[l];
-    u32 kraft = 0;
-    for (int l = 1; l <= MAX_CODE_LEN; l++) kraft += count[l] << (MAX_CODE_LEN - l);
-    while (kraft > LUT_SIZE) {
-        count[MAX_CODE_LEN]--;
-        for (int l = MAX_CODE_LEN - 1; l > 0; l--)
-            if (count[l]) { count[l]--; count[l + 1] += 2; break; }
-        kraft--;
-    }
-    for (int s = 0; s < 256; s++) len[s] = 0;
-    int i = 0;
-    for (int l = MAX_CODE_LEN; l >= 1; l--)
-        for (u32 c = 0; c < count[l]; c++) len[key[i++] & 0xFF] = (u8)l;
-}
-
-/* Info record (INFO_BYTES per block), words: 0 payload bytes, 1 crc_original, 2 block mode,
- * 3 entropy-plane mode, 4 lo, 5 hi, 6 const value, 7 sub-stream data bytes, 8 k, 9 nibble bytes;
- * bytes 64..319 code lengths, 320.. u16 inclusive sub-stream ends (k <= MAX_ENC_STREAMS). */
-
-/* Pass 1 (encode_block's analysis), one CUDA block of TPB threads per codec block:
- *   1. histogram of the entropy plane: per-lane counter columns cnt[sym][lane], so the lanes
- *      of a warp never collide (shared atomics only between warps);
- *   2. CRC of the original block (crc_par);
- *   3. the length-limited code (rank sort in parallel, build_lengths_tail on one thread);
- *   4. each sub-stream's byte count: one warp per sub-stream sums the code lengths of its
- *      symbols (re-reading the block, which is in L1/L2 by now); the writer needs these
- *      offsets, and the block's payload size must count each sub-stream's padding.
- *   src    the tensor's bytes (16-byte aligned)   numel  elements
- *   S      sub-stream elements (ENC_S)             cp     entropy plane, -1: RAW blocks
- *   info   out: INFO_BYTES per block (see above)                                              */
-template <int LAYOUT, int ISZ>
-__device__ void enc_stats(const u8 *__restrict__ src, u64 numel, u32 S, int cp, u8 *__restrict__ info) {
-    constexpr int P = Lay<LAYOUT, ISZ>::P;
-    u32 *const crc_sm = dsm;                                   /* CRC_SMEM_WORDS */
-    uint4 *const stg = (uint4 *)(dsm + CRC_SMEM_WORDS);        /* STG_BYTES */
-    u32 *const cnt = dsm + CRC_SMEM_WORDS + STG_BYTES / 4;     /* 128 x 32: two u16 counters per word */
-    __shared__ u32 hist[256];
-    __shared__ u8 len[256];
-    __shared__ u32 red[TPB / 32 + 4];
-    __shared__ u32 sbytes[MAX_ENC_STREAMS];
-    __shared__ u64 keys[256];
-    __shared__ u32 wt[512];
-    __shared__ u16 parent[512];
-    __shared__ u8 depth[512];
-    __shared__ u32 misc[4];
-    const u32 b = blockIdx.x, t = threadIdx.x, lane = t & 31, warp = t >> 5;
-    const u64 first = (u64)b * ENC_BLOCK;
-    const u32 n = (u32)min((u64)ENC_BLOCK, numel - first);
-    const u8 *bsrc = src + first * ISZ;
-    const u32 nbytes = n * ISZ;
-    PH(1, 0);
-    crc_init_smem(crc_sm);
-    const bool coded = cp >= 0 && ISZ <= 4;
-    if (coded)
-        for (u32 i = t; i < 128 * 32; i += TPB) cnt[i] = 0;
     __syncthreads();
-    /* the histogram rides on crc_par's coalesced loads: lane-private counter words (no
-     * collisions inside a warp), two symbols' u16 counters per word (a lane column counts
-     * at most 65536 / 32 elements) */
-    auto hist_fn = [&](const uint4 &x, u64) {
-        if (!coded) return;
-        const u32 w[4] = {x.x, x.y, x.z, x.w};
+    if (lane == 31) wsum[warp] = incl;
+    __syncthreads();
+    u32 before = 0, total = 0;
+    for (int w = 0; w < NW; w++) {
+        if (w < warp) before += wsum[w];
+        total += wsum[w];
+    }
+    u32 ex = before + incl - v;
+    if (i0 < n) a[i0] = ex;
+    if (i0 + 1 < n) a[i0 + 1] = ex + x0;
+    __syncthreads();
+    return total;
+}
+
+/* A block's payload offset from the sizes of the blocks before it: the decoupled look-back
+ * of single-pass prefix sums. status[i] holds block i's size (AGG) or its inclusive prefix
+ * (INCL); tickets make every lower block resident or done, so the wait ends. Thread 0. */
+__device__ u64 lookback(u64 *status, u32 b, u64 size) {
+    volatile u64 *st = status;
+    if (b == 0) {
+        st[0] = LOOKBACK_INCL | size;
+        return 0;
+    }
+    st[b] = LOOKBACK_AGG | size;
+    u64 acc = 0;
+    for (u32 i = b - 1;;) {
+        u64 v = st[i];
+        if (!(v >> 62)) {
+            __nanosleep(64);
+            continue;
+        }
+        acc += v & LOOKBACK_VALUE;
+        if ((v >> 62) == 2) break;
+        i--;
+    }
+    st[b] = LOOKBACK_INCL | (acc + size);
+    return acc;
+}
+
+/* The frame header, once every block is written: header and dims from the launcher (with
+ * frame_nbytes filled in), header_hash = the header's share + the table's (which every block
+ * added to state[2]) + the length term; zero padding up to the payloads. Thread 0 of the
+ * CUDA block that finished last. */
+struct HeaderWords { /* the header and dims as the launcher packed them (kernel parameters) */
+    u64 w[13];
+};
+
+__device__ void enc_finalize(u8 *out, u64 table_off, u64 payload_off, u32 nblocks, u64 *state, u64 *size_out,
+                             const HeaderWords hw) {
+    volatile u64 *st = state;
+    u64 payload_len = nblocks ? (st[3 + nblocks - 1] & LOOKBACK_VALUE) : 0;
+    u64 frame_nbytes = payload_off + payload_len;
+    u64 h = atomicAdd(&state[2], 0ull);
 #pragma unroll
-        for (int el = 0; el < 16 / ISZ; el++) {
-            const u32 sy = plane_sym<LAYOUT, ISZ>(elem_of<ISZ>(w, el), cp);
-            atomicAdd(&cnt[(sy >> 1) * 32 + lane], 1u << (16 * (sy & 1)));
+    for (u32 i = 0; i < 13; i++) { /* constant indices: hw stays in parameter space */
+        if (i >= table_off / 8) break;
+        u64 v = i == 2 ? frame_nbytes : hw.w[i];
+        ((u64 *)out)[i] = v;
+        h += uzh_word((u32)v, 8ull * i) + uzh_word((u32)(v >> 32), 8ull * i + 4);
+    }
+    u64 hash_off = table_off + 24ull * nblocks;
+    *(u64 *)(out + hash_off) = h + hash_off * UZH_LENGTH_MUL;
+    for (u64 i = hash_off + 8; i < payload_off; i++) out[i] = 0;
+    *size_out = frame_nbytes;
+}
+
+/* Loads chunk c (16 elements, ITEM x 16 bytes) of a block of nbytes bytes, zero past its end. */
+template <int ITEM>
+__device__ __forceinline__ void load_chunk(const u8 *in, u32 c, u32 nbytes, uint4 *v) {
+#pragma unroll
+    for (int i = 0; i < ITEM; i++) {
+        int rem = (int)nbytes - 16 * (ITEM * (int)c + i);
+        const u8 *p = in + 16u * (ITEM * c + i);
+        v[i] = rem >= 16 ? *(const uint4 *)p : load16_partial(p, rem > 0 ? (u32)rem : 0u);
+    }
+}
+
+/* The code bits of symbols E[s0, s0 + cnt): lengths from a 256-entry table. Runs of a
+ * multiple of 4 symbols are read a word at a time, so the lookups are independent loads
+ * instead of a chain of byte load -> table load. */
+__device__ __forceinline__ u32 run_bits(const u8 *E, u32 s0, u32 cnt, const u8 *len) {
+    u32 bits = 0;
+    if ((cnt & 3) == 0 && (s0 & 3) == 0) {
+        for (u32 i = 0; i < cnt; i += 4) {
+            u32 w = *(const u32 *)(E + s0 + i);
+            bits += len[w & 0xFF] + len[(w >> 8) & 0xFF] + len[(w >> 16) & 0xFF] + len[w >> 24];
         }
-    };
-    const u32 crc_orig = crc_par(crc_sm + lane, bsrc, nbytes, red, stg, hist_fn);
-    PH(1, 1);
-    if (coded) /* elements of the tail crc_par does not hand to hist_fn (< 32 bytes) */
-        for (u32 e = (nbytes & ~31u) / ISZ + t; e < n; e += TPB) {
-            const u32 sy = plane_byte<LAYOUT, ISZ>(bsrc, e, cp);
-            atomicAdd(&cnt[(sy >> 1) * 32 + lane], 1u << (16 * (sy & 1)));
+    } else {
+        for (u32 i = 0; i < cnt; i++) bits += len[E[s0 + i]];
+    }
+    return bits;
+}
+
+__device__ __forceinline__ void put_code(u32 t, u64 &acc, u32 &nacc, u32 *wb32, u32 &wi) {
+    acc |= (u64)(t & 0xFFFFu) << nacc;
+    nacc += t >> 16;
+    if (nacc >= 32) {
+        atomicOr(&wb32[wi++], (u32)acc);
+        acc >>= 32;
+        nacc -= 32;
+    }
+}
+
+/* Encodes the symbols [s0, s0 + cnt) of each lane of a warp as one sub-stream (LSB first, as
+ * cpu_codec.c's encode_stream) into the warp's buffer: lanes take consecutive runs, a warp
+ * scan of their bit counts places each run, and runs meet in shared words through atomicOr. */
+__device__ void encode_substream(const u8 *E, u32 s0, u32 cnt, const CodeTables &ct, u32 *wb32, u32 nbytes) {
+    const int lane = threadIdx.x & 31;
+    u32 bits = run_bits(E, s0, cnt, ct.len);
+    u32 incl = bits;
+    for (int o = 1; o < 32; o <<= 1) {
+        u32 t = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += t;
+    }
+    for (u32 i = lane; i < (nbytes + 7) / 4; i += 32) wb32[i] = 0;
+    __syncwarp();
+    u32 off = incl - bits, nacc = off & 31, wi = off >> 5;
+    u64 acc = 0;
+    if ((cnt & 3) == 0 && (s0 & 3) == 0) {
+        for (u32 i = 0; i < cnt; i += 4) {
+            u32 w = *(const u32 *)(E + s0 + i);
+            u32 t0 = ct.tab[w & 0xFF], t1 = ct.tab[(w >> 8) & 0xFF], t2 = ct.tab[(w >> 16) & 0xFF], t3 = ct.tab[w >> 24];
+            put_code(t0, acc, nacc, wb32, wi);
+            put_code(t1, acc, nacc, wb32, wi);
+            put_code(t2, acc, nacc, wb32, wi);
+            put_code(t3, acc, nacc, wb32, wi);
         }
+    } else {
+        for (u32 i = 0; i < cnt; i++) put_code(ct.tab[E[s0 + i]], acc, nacc, wb32, wi);
+    }
+    if (nacc) atomicOr(&wb32[wi], (u32)acc);
+    __syncwarp();
+}
+
+/* One codec block per CUDA block (docs/gpu.md, "Encoder"). Shared memory: the entropy
+ * plane's symbols (block_elems bytes), NW warp buffers (the histogram's counters first),
+ * then EncShared; cuda.py's enc_smem() computes the size. */
+template <class L>
+__device__ void enc_block(const u8 *src, u64 numel, u32 be, u32 S, u8 *out, u64 table_off, u64 payload_off,
+                          u32 nblocks, u64 *state, u64 *size_out, const HeaderWords hw) {
+    UZ_DYN_SMEM(smem);
+    u8 *E = smem;
+    u8 *wbufs = smem + be;
+    EncShared &sm = *(EncShared *)(wbufs + NW * WBUF_BYTES);
+    CodeTables &ct = sm.ct;
+    u32 *hist32 = (u32 *)wbufs; /* 128 words (two u16 counters each) x 32 lanes */
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    PHASE_START();
+
+    if (tid == 0) sm.ticket = (u32)atomicAdd(&state[0], 1ull);
+    for (int i = tid; i < 128 * 32; i += NT) hist32[i] = 0;
+    for (int i = tid; i < HDR_BYTES / 4; i += NT) ((u32 *)sm.hdr)[i] = 0;
     __syncthreads();
-    u32 *inf = (u32 *)(info + (size_t)b * INFO_BYTES);
-    if (!coded) {
-        if (t == 0) { inf[0] = 1 + nbytes; inf[1] = crc_orig; inf[2] = BLOCK_RAW; }
+    const u32 b = sm.ticket;
+    if (b >= nblocks) { /* an empty tensor: one CUDA block writes the header */
+        if (tid == 0 && nblocks == 0) enc_finalize(out, table_off, payload_off, 0, state, size_out, hw);
         return;
     }
-    for (u32 s = t; s < 256; s += TPB) {
-        u32 h = 0;
-        for (int k = 0; k < 32; k++) h += (cnt[(s >> 1) * 32 + ((k + s) & 31)] >> (16 * (s & 1))) & 0xFFFFu;
-        hist[s] = h;
-    }
-    __syncthreads();
-    for (u32 s = t; s < 256; s += TPB) {
-        len[s] = 0;
-        if (hist[s]) {
-            const u64 k = ((u64)hist[s] << 8) | (u64)s;
-            u32 r = 0;
-            for (int s2 = 0; s2 < 256; s2++) r += hist[s2] && ((((u64)hist[s2] << 8) | (u64)s2) < k);
-            keys[r] = k;
+    const u64 first = (u64)b * be;
+    const u32 n = (u32)(numel - first < be ? numel - first : be);
+    const u32 nbytes = n * L::ITEM, nchunks = (n + 15) / 16;
+    const u8 *in = src + first * L::ITEM;
+    const bool coded = L::HPLANE >= 0;
+    const int hp = L::HPLANE < 0 ? 0 : L::HPLANE;
+
+    /* 1. read the block (two chunks in flight per thread): its hash, its entropy plane into
+     *    E, the plane's histogram in per-lane counters (one bank per lane: no conflicts) */
+    u64 h_orig = 0, h_pay = 0;
+    for (u32 c0 = tid; c0 < nchunks; c0 += 2 * NT) {
+        uint4 v[2][L::ITEM];
+        load_chunk<L::ITEM>(in, c0, nbytes, v[0]);
+        if (c0 + NT < nchunks) load_chunk<L::ITEM>(in, c0 + NT, nbytes, v[1]);
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const u32 c = c0 + h * NT;
+            if (c >= nchunks) continue;
+#pragma unroll
+            for (int i = 0; i < L::ITEM; i++) h_orig += uzh_chunk(v[h][i], L::ITEM * c + i);
+            if (coded) {
+                uint4 pl[L::NPLANES];
+                L::split(v[h], pl);
+                const uint4 sy = pl[hp];
+                *(uint4 *)(E + 16 * c) = sy;
+                const u32 cnt = n - 16 * c < 16 ? n - 16 * c : 16;
+#pragma unroll
+                for (u32 i = 0; i < 16; i++)
+                    if (i < cnt) {
+                        u32 sym = byte_of(sy, i);
+                        atomicAdd(&hist32[(sym >> 1) * 32 + lane], 1u << (16 * (sym & 1)));
+                    }
+            }
         }
     }
-    if (t == 0) { misc[1] = 255; misc[2] = 0; }
     __syncthreads();
-    if (t < 256 && hist[t]) { atomicMin(&misc[1], t); atomicMax(&misc[2], t); }
-    const u32 used = __syncthreads_count(t < 256 && hist[t] != 0);
-    const u32 lo = misc[1], hi = misc[2];
-    PH(1, 2);
-    if (used >= 2 && t == 0) build_lengths_tail(keys, (int)used, wt, parent, depth, len);
-    __syncthreads();
-    PH(1, 3);
-    const u32 k = (n + S - 1) / S;
-    if (used >= 2) {
-        /* sub-stream j: elements [j*S, min((j+1)*S, n)); S * ISZ is a multiple of 16 */
-        for (u32 j = warp; j < k; j += TPB / 32) {
-            const u32 e0 = j * S, e1 = min(e0 + S, n);
-            const u32 v0 = e0 * ISZ / 16, v1 = e1 * ISZ / 16;
+    PHASE(0, 0);
+
+    /* 2. the code: histogram, used symbols sorted by count, Huffman lengths, canonical codes */
+    u32 nused = 0;
+    if (coded) {
+        if (tid < 256) {
+            u32 c = 0;
+            for (int l = 0; l < 32; l++) c += (hist32[(tid >> 1) * 32 + ((l + tid) & 31)] >> (16 * (tid & 1))) & 0xFFFFu;
+            ct.hist[tid] = c;
+            ct.len[tid] = 0;
+            u32 m = __ballot_sync(0xffffffffu, c != 0);
+            if (lane == 0) sm.used_mask[warp] = m;
+        }
+        __syncthreads();
+        if (tid == 0) {
+            u32 lo = 256, hi = 0, cnt = 0;
+            for (int w = 0; w < 8; w++) {
+                u32 m = sm.used_mask[w];
+                cnt += __popc(m);
+                if (m && lo == 256) lo = 32 * w + __ffs(m) - 1;
+                if (m) hi = 32 * w + 31 - __clz(m);
+            }
+            sm.lo = lo;
+            sm.hi = hi;
+            sm.nused = cnt;
+        }
+        __syncthreads();
+        nused = sm.nused;
+        const u32 lo = sm.lo, hi = sm.hi;
+        if ((u32)tid >= lo && (u32)tid <= hi && ct.hist[tid]) { /* rank sort over the used range */
+            u32 key = ct.hist[tid] << 8 | tid, r = 0;
+            for (u32 t = lo; t <= hi; t++) {
+                u32 h = ct.hist[t];
+                r += h && (h << 8 | t) < key;
+            }
+            ct.keys[r] = key;
+        }
+        __syncthreads();
+        PHASE(0, 1);
+        if (nused >= 2) {
+            build_lengths(ct, (int)nused, sm.w, sm.parent, sm.depth, sm.count);
+            PHASE(0, 2);
+            if (tid == 0) canonical_bounds(ct);
+            __syncthreads();
+            u32 rank = canonical_rank(ct);
             u32 bits = 0;
-            for (u32 i = v0 + lane; i < v1; i += 32) {
-                const uint4 x = ((const uint4 *)bsrc)[i];
-                const u32 w[4] = {x.x, x.y, x.z, x.w};
-#pragma unroll
-                for (int el = 0; el < 16 / ISZ; el++) bits += len[plane_sym<LAYOUT, ISZ>(elem_of<ISZ>(w, el), cp)];
+            if (tid < 256) {
+                u32 l = ct.len[tid];
+                if (l) ct.tab[tid] = (__brev(ct.first[l] + rank) >> (32 - l)) | (l << 16);
+                bits = ct.hist[tid] * l;
             }
-            for (u32 e = v1 * 16 / ISZ + lane; e < e1; e += 32) bits += len[plane_byte<LAYOUT, ISZ>(bsrc, e, cp)];
-            bits = __reduce_add_sync(0xFFFFFFFFu, bits);
-            if (lane == 0) sbytes[j] = (bits + 7) / 8;
+            u64 total_bits = block_sum(bits, sm.red);
+            if (tid == 0) sm.bits = total_bits;
         }
-    }
-    __syncthreads();
-    PH(1, 4);
-    if (warp == 0 && used >= 2) { /* inclusive scan of the k <= 128 sub-stream sizes: 4 per lane */
-        u32 v[MAX_ENC_STREAMS / 32], sum = 0;
-#pragma unroll
-        for (int q = 0; q < MAX_ENC_STREAMS / 32; q++) {
-            const u32 j = lane * (MAX_ENC_STREAMS / 32) + q;
-            sum += j < k ? sbytes[j] : 0u;
-            v[q] = sum;
-        }
-        u32 incl = sum;
-#pragma unroll
-        for (int d = 1; d < 32; d <<= 1) {
-            const u32 o = __shfl_up_sync(0xFFFFFFFFu, incl, d);
-            if (lane >= (u32)d) incl += o;
-        }
-#pragma unroll
-        for (int q = 0; q < MAX_ENC_STREAMS / 32; q++) {
-            const u32 j = lane * (MAX_ENC_STREAMS / 32) + q;
-            if (j < k) sbytes[j] = v[q] + incl - sum;
-        }
-    }
-    __syncthreads();
-    if (t == 0) {
-        const u32 total = used >= 2 ? sbytes[k - 1] : 0u;
-        const u32 nib = (hi - lo + 2) / 2;
-        u32 cmode, psize;
-        if (used == 1) { cmode = PLANE_CONST; psize = 2; }
-        else {
-            psize = 3 + nib + 2 * k + total;
-            cmode = PLANE_HUFF;
-            if (total > 0xFFFFu || psize >= 1 + n) { cmode = PLANE_RAW; psize = 1 + n; }
-        }
-        const u32 dense = 1 + (P - 1) * (1 + n) + psize;
-        const u32 raw = 1 + nbytes;
-        inf[0] = dense < raw ? dense : raw;
-        inf[1] = crc_orig;
-        inf[2] = dense < raw ? BLOCK_DENSE : BLOCK_RAW;
-        inf[3] = cmode; inf[4] = lo; inf[5] = hi; inf[6] = lo; inf[7] = total; inf[8] = k; inf[9] = nib;
-    }
-    __syncthreads();
-    u8 *ilen = info + (size_t)b * INFO_BYTES + 64;
-    for (u32 s = t; s < 256; s += TPB) ilen[s] = len[s];
-    u16 *iends = (u16 *)(info + (size_t)b * INFO_BYTES + 320);
-    for (u32 j = t; j < k && used >= 2; j += TPB) iends[j] = (u16)sbytes[j];
-    PH(1, 5);
-}
-
-
-/* Exclusive scan of u32 sizes; one CUDA block of 1024 threads. The decoder's first kernel,
- * so it also initializes the decoder's error word and queue count (saves two launches).
- *   sizes      first size; the others follow every `stride` bytes (count of them)
- *   offsets    out: offsets[i] = sum of the sizes before i
- *   total_out  out (or null): base + the sum of all sizes
- *   expect     with check != 0: the sum must equal it ("payloads cover exactly the frame"),
- *              else E_TOTAL goes to *err
- *   err        with check != 0: the decoder's error word, set to ~0 here first
- *   zero_out   (or null) a u32 set to 0 here: uz_dec_fast's queue count */
-extern "C" __global__ void uz_scan(const u8 *__restrict__ sizes, u32 stride, u32 count, u64 *__restrict__ offsets,
-                                   u64 *__restrict__ total_out, u64 base, u64 expect, int check, u64 *err,
-                                   u32 *zero_out) {
-    __shared__ u64 part[1024];
-    const u32 t = threadIdx.x;
-    if (t == 0) {
-        if (check) *err = ~0ull;
-        if (zero_out) *zero_out = 0;
-    }
-    const u32 per = (count + 1023) / 1024;
-    const u32 a = min(t * per, count), e = min(a + per, count);
-    u64 s = 0;
-    for (u32 i = a; i < e; i++) s += *(const u32 *)(sizes + (size_t)i * stride);
-    part[t] = s;
-    __syncthreads();
-    for (u32 d = 1; d < 1024; d <<= 1) {
-        u64 v = t >= d ? part[t - d] : 0;
         __syncthreads();
-        part[t] += v;
+        PHASE(0, 3);
+    }
+
+    /* 3. how the entropy plane is stored: CONST, HUFF when it beats RAW (cpu_codec.c's
+     *    plan_plane rule), else RAW; HUFF: each sub-stream's size, then their offsets */
+    if (tid == 0) {
+        u32 mode = PLANE_RAW;
+        if (coded && nused == 1) {
+            mode = PLANE_CONST;
+            sm.value = sm.lo;
+        } else if (coded) {
+            u32 k = (n + S - 1) / S;
+            u64 est = sm.bits / 8 + k;
+            sm.k = k;
+            if (3 + (sm.hi - sm.lo + 2) / 2 + 2 * k + est < 1 + (u64)n && est <= 0xFFFF) mode = PLANE_HUFF;
+        }
+        sm.plane_mode = mode;
+    }
+    __syncthreads();
+    const u32 pmode = sm.plane_mode, k = sm.k;
+    const u32 per = S / 32;
+    if (pmode == PLANE_HUFF) {
+        for (u32 j = warp; j < k; j += NW) {
+            u32 s0 = j * S + lane * per;
+            u32 cnt = s0 < n ? (n - s0 < per ? n - s0 : per) : 0u;
+            u32 bits = __reduce_add_sync(0xffffffffu, run_bits(E, s0, cnt, ct.len));
+            if (lane == 0) sm.sbytes[j] = (bits + 7) / 8;
+        }
         __syncthreads();
+        u32 total = block_scan(sm.sbytes, k, sm.wsum);
+        if (tid == 0) sm.huff_total = total;
     }
-    u64 run = part[t] - s;
-    for (u32 i = a; i < e; i++) {
-        offsets[i] = run;
-        run += *(const u32 *)(sizes + (size_t)i * stride);
-    }
-    if (t == 1023) {
-        if (total_out) *total_out = base + part[1023];
-        if (check && part[1023] != expect) report(err, 0xFFFFFFFFull, E_TOTAL);
-    }
-}
+    PHASE(0, 4);
 
-/* Writes `nbytes` at any alignment of dst from 16-aligned src, coalesced; all threads. */
-__device__ void coop_copy_to_unaligned(u8 *dst, const u8 *src, u32 nbytes) {
-    const u32 mis = (u32)((size_t)dst & 3);
-    u8 *pa = dst - mis;
-    const u32 W = (mis + nbytes + 3) / 4;
-    const u32 *s32 = (const u32 *)src;
-    const u32 sh = (4 - mis) & 3;
-    for (u32 w = threadIdx.x; w < W; w += TPB) {
-        long long i0 = 4ll * w - mis;
-        if (w > 0 && i0 + 4 <= (long long)nbytes) {
-            u32 q = (u32)(i0 >> 2);
-            u32 v = sh ? __funnelshift_r(s32[q], s32[q + 1], 8 * sh) : s32[q];
-            *(u32 *)(pa + 4 * w) = v;
-        } else {
-            for (int k = 0; k < 4; k++) {
-                long long i = i0 + k;
-                if (i >= 0 && i < (long long)nbytes) pa[4 * w + k] = src[i];
+    /* 4. the block's layout and size; its offset from the look-back */
+    if (tid == 0) {
+        u32 o = 1, plane_off[16];
+        for (int p = 0; p < L::NPLANES; p++) {
+            plane_off[p] = o;
+            u32 mode = (coded && p == L::HPLANE) ? pmode : (u32)PLANE_RAW;
+            o += mode == PLANE_RAW ? 1 : mode == PLANE_CONST ? 2 : 3 + (sm.hi - sm.lo + 2) / 2 + 2 * k;
+        }
+        sm.hdr_nbytes = o;
+        for (int p = 0; p < L::NPLANES; p++) {
+            u32 mode = (coded && p == L::HPLANE) ? pmode : (u32)PLANE_RAW;
+            if (mode == PLANE_CONST) continue;
+            o = align16(o);
+            sm.data_off[p] = o;
+            o += mode == PLANE_HUFF ? sm.huff_total : n;
+        }
+        u32 dense = align16(o), raw = ALIGN + align16(nbytes);
+        sm.raw_block = dense >= raw || !coded;
+        sm.size = sm.raw_block ? raw : dense;
+        if (!sm.raw_block) {
+            u8 *h = sm.hdr;
+            h[0] = BLOCK_DENSE;
+            for (int p = 0; p < L::NPLANES; p++) {
+                u32 mode = p == L::HPLANE ? pmode : (u32)PLANE_RAW;
+                u8 *q = h + plane_off[p];
+                q[0] = (u8)mode;
+                if (mode == PLANE_CONST) q[1] = (u8)sm.value;
+                if (mode == PLANE_HUFF) {
+                    q[1] = (u8)sm.lo;
+                    q[2] = (u8)(sm.hi - sm.lo);
+                    for (u32 s = sm.lo, i = 0; s <= sm.hi; s += 2, i++)
+                        q[3 + i] = (u8)(ct.len[s] | ((s + 1 <= sm.hi ? ct.len[s + 1] : 0) << 4));
+                    sm.ends_off = plane_off[p] + 3 + (sm.hi - sm.lo + 2) / 2;
+                }
             }
         }
-    }
-}
-/* Plane j bytes of the 4 elements at p4 (aligned to 4 * ISZ bytes, ISZ <= 4) as one word. */
-template <int LAYOUT, int ISZ> __device__ __forceinline__ u32 plane_word4(const u8 *p4, int j) {
-    u32 wds[ISZ];
-    if (ISZ == 1) wds[0] = *(const u32 *)p4;
-    else if (ISZ == 2) { uint2 v = *(const uint2 *)p4; wds[0] = v.x; wds[ISZ > 1 ? 1 : 0] = v.y; }
-    else { uint4 v = *(const uint4 *)p4; wds[0] = v.x; wds[1 % ISZ] = v.y; wds[2 % ISZ] = v.z; wds[3 % ISZ] = v.w; }
-    u32 r = 0;
-#pragma unroll
-    for (int el = 0; el < 4; el++) r |= plane_sym<LAYOUT, ISZ>(elem_of<ISZ>(wds, el), j) << (8 * el);
-    return r;
-}
-/* Writes plane j of the n elements at bsrc (16-byte aligned) to dst (any alignment),
- * coalesced, 16 output bytes per thread and step; threads tid = 0..nth-1 of the block.
- * Output word k of 16-byte group g (at dst - mis + 16g + 4k) holds the plane bytes of
- * elements 16g + 4k - mis .. + 3: a funnel shift of two element-aligned plane words. */
-template <int LAYOUT, int ISZ> __device__ void coop_plane(u8 *dst, const u8 *bsrc, u32 n, int j, u32 tid, u32 nth) {
-    const u32 mis = (u32)((size_t)dst & 3);
-    u8 *pa = dst - mis;
-    const u32 G = (mis + n + 15) / 16;
-    for (u32 g = tid; g < G; g += nth) {
-        if (ISZ <= 4 && g > 0 && 16 * g + 16 <= n) {
-            u32 x[5];
-            x[0] = plane_word4<LAYOUT, ISZ>(bsrc + (size_t)(16 * g - 4) * ISZ, j);
-#pragma unroll
-            for (int k = 0; k < 4; k++) x[k + 1] = plane_word4<LAYOUT, ISZ>(bsrc + (size_t)(16 * g + 4 * k) * ISZ, j);
-            u32 *o = (u32 *)(pa + 16 * g);
-#pragma unroll
-            for (int k = 0; k < 4; k++) o[k] = mis ? __funnelshift_r(x[k], x[k + 1], 8 * (4 - mis)) : x[k + 1];
-        } else {
-            for (int k = 0; k < 16; k++) {
-                long long i = 16ll * g + k - mis;
-                if (i >= 0 && i < (long long)n) pa[16 * g + k] = (u8)plane_byte<LAYOUT, ISZ>(bsrc, (u32)i, j);
-            }
-        }
-    }
-}
-/* Canonical codes (assign_codes of cpu_codec.c): (length, symbol) order, stored bit-reversed
- * (LSB-first streams), packed as code | len << 16. All threads, no serial loop over symbols:
- * symbol s's code is the first code of its length plus the number of smaller symbols of
- * that length. cl: 256 words; sc: 12 + 12 + 64 words of smem. */
-__device__ void assign_codes_par(const u8 *ilen, u32 *cl, u32 *sc) {
-    u32 *cntl = sc, *first = sc + 12;
-    u8 *sl = (u8 *)(sc + 24);
-    const u32 t = threadIdx.x;
-    if (t < 12) cntl[t] = 0;
-    __syncthreads();
-    if (t < 256) {
-        const u32 l = ilen[t];
-        sl[t] = (u8)l;
-        if (l) atomicAdd(&cntl[l], 1u);
+        PHASE(0, 5);
+        sm.base = lookback(state + 3, b, sm.size);
     }
     __syncthreads();
-    if (t == 0) {
-        u32 cc = 0;
-        for (int l = 1; l <= MAX_CODE_LEN; l++) { cc = (cc + cntl[l - 1]) << 1; first[l] = cc; }
-    }
-    __syncthreads();
-    if (t < 256) {
-        const u32 l = sl[t];
-        u32 r = 0;
-        for (u32 s = 0; s < t; s++) r += sl[s] == l; /* same s for all lanes: a broadcast read */
-        cl[t] = l ? ((__brev(first[l] + r) >> (32 - l)) | (l << 16)) : 0u;
-    }
-    __syncthreads();
-}
+    PHASE(0, 6);
+    u8 *dst = out + payload_off + sm.base;
+    const u32 size = sm.size;
 
-/* Pass 2 (encode_block's output): writes each block's payload at its final offset and its
- * block-table entry (payload bytes, crc_original, crc_payload). One CUDA block per codec block:
- *   - RAW planes by all threads (coalesced, 16 output bytes per thread and step);
- *   - Huffman sub-streams one warp each: every lane codes S/32 consecutive symbols, a warp
- *     scan of their bit counts gives each lane its bit offset, lanes OR their bits into a
- *     per-warp shared buffer, and the warp copies the finished sub-stream to its byte offset
- *     (from uz_enc_stats). No per-symbol serial chain: a sub-stream costs a few dozen steps.
- *   - payload CRC (crc_par, reading the payload back from L2).
- *   src, numel, S, cp    as uz_enc_stats          info     uz_enc_stats' records
- *   offsets              uz_scan's exclusive prefix of payload sizes
- *   out                  the frame buffer; payloads start at payload_offset, the table at table_offset */
-template <int LAYOUT, int ISZ>
-__device__ void enc_write(const u8 *__restrict__ src, u64 numel, u32 S, int cp, const u8 *__restrict__ info,
-                          const u64 *__restrict__ offsets, u8 *out, u64 payload_offset, u64 table_offset) {
-    constexpr int P = Lay<LAYOUT, ISZ>::P;
-    u32 *const crc_sm = dsm;                                  /* CRC_SMEM_WORDS */
-    u32 *const stg_all = dsm + CRC_SMEM_WORDS;                /* TPB / 32 warps x STG_WORDS, then crc_par's */
-    __shared__ u32 cl[256];
-    __shared__ u32 csc[12 + 12 + 64];
-    __shared__ u32 red[TPB / 32 + 4];
-    const u32 b = blockIdx.x, t = threadIdx.x, lane = t & 31, warp = t >> 5;
-    const u64 first_el = (u64)b * ENC_BLOCK;
-    const u32 n = (u32)min((u64)ENC_BLOCK, numel - first_el);
-    const u8 *bsrc = src + first_el * ISZ;
-    const u32 *inf = (const u32 *)(info + (size_t)b * INFO_BYTES);
-    const u32 size = inf[0], crc_orig = inf[1], mode = inf[2];
-    u8 *dst = out + payload_offset + offsets[b];
-    PH(2, 0);
-    crc_init_smem(crc_sm);
-    if (mode == BLOCK_RAW) {
-        if (t == 0) dst[0] = BLOCK_RAW;
-        coop_copy_to_unaligned(dst + 1, bsrc, n * ISZ);
+    /* 5. write the payload, hashing it on the way */
+    if (sm.raw_block) {
+        for (u32 u = tid; u < size / 16; u += NT) {
+            uint4 v = u ? load16_partial(in + 16 * (u - 1), nbytes - 16 * (u - 1) < 16 ? nbytes - 16 * (u - 1) : 16u)
+                        : make_uint4(BLOCK_RAW, 0u, 0u, 0u);
+            *(uint4 *)(dst + 16 * u) = v;
+            h_pay += uzh_chunk(v, u);
+        }
     } else {
-        const u32 cmode = inf[3], lo = inf[4], hi = inf[5], total = inf[7], k = inf[8], nib = inf[9];
-        if (t == 0) dst[0] = BLOCK_DENSE;
-        u8 *p = dst + 1;
-        for (int j = 0; j < P; j++) {
-            if (j == cp && cmode == PLANE_CONST) {
-                if (t == 0) { p[0] = PLANE_CONST; p[1] = (u8)inf[6]; }
-                p += 2;
-            } else if (j == cp && cmode == PLANE_HUFF) {
-                const u8 *ilen = info + (size_t)b * INFO_BYTES + 64;
-                assign_codes_par(ilen, cl, csc);
-                if (t == 0) { p[0] = PLANE_HUFF; p[1] = (u8)lo; p[2] = (u8)(hi - lo); }
-                for (u32 q = t; q < nib; q += TPB) {
-                    const u32 s = lo + 2 * q;
-                    p[3 + q] = (u8)(ilen[s] | ((s + 1 <= hi ? ilen[s + 1] : 0) << 4));
+        const bool huff = pmode == PLANE_HUFF;
+        if (huff)
+            for (u32 j = tid; j < k; j += NT) {
+                u32 e = (j + 1 < k ? sm.sbytes[j + 1] : sm.huff_total);
+                sm.hdr[sm.ends_off + 2 * j] = (u8)e;
+                sm.hdr[sm.ends_off + 2 * j + 1] = (u8)(e >> 8);
+            }
+        __syncthreads();
+        for (u32 u = tid; u < align16(sm.hdr_nbytes) / 16; u += NT) {
+            uint4 v = ((const uint4 *)sm.hdr)[u];
+            *(uint4 *)(dst + 16 * u) = v;
+            h_pay += uzh_chunk(v, u);
+        }
+        for (u32 c0 = tid; c0 < nchunks; c0 += 2 * NT) { /* RAW planes: the block again, from L2 */
+            uint4 v[2][L::ITEM];
+            load_chunk<L::ITEM>(in, c0, nbytes, v[0]);
+            if (c0 + NT < nchunks) load_chunk<L::ITEM>(in, c0 + NT, nbytes, v[1]);
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const u32 c = c0 + h * NT;
+                if (c >= nchunks) continue;
+                uint4 pl[L::NPLANES];
+                L::split(v[h], pl);
+                for (int p = 0; p < L::NPLANES; p++) {
+                    if (p == L::HPLANE && pmode != PLANE_RAW) continue;
+                    *(uint4 *)(dst + sm.data_off[p] + 16 * c) = pl[p];
+                    h_pay += uzh_chunk(pl[p], (sm.data_off[p] >> 4) + c);
                 }
-                PH(2, 1);
-                const u16 *iends = (const u16 *)(info + (size_t)b * INFO_BYTES + 320);
-                u8 *ends = p + 3 + nib, *data = ends + 2 * k;
-                for (u32 q = t; q < k; q += TPB) { const u32 e = iends[q]; ends[2 * q] = (u8)e; ends[2 * q + 1] = (u8)(e >> 8); }
-                u32 *stg = stg_all + warp * STG_WORDS;
-                for (u32 j = warp; j < k; j += TPB / 32) {
-                    const u32 start = j ? iends[j - 1] : 0u, nb = iends[j] - start;
-                    for (u32 w = lane; w < STG_WORDS; w += 32) stg[w] = 0;
-                    /* this lane's symbols: elements [a, a + cntv), loaded as 16-byte words */
-                    const u32 a = j * ENC_S + lane * PER;
-                    const u32 cntv = a < n ? min(PER, n - a) : 0u;
-                    u32 sy[PER];
-                    if (cntv == PER && ISZ <= 4) {
-                        u32 wds[PER * ISZ / 4];
-#pragma unroll
-                        for (u32 q = 0; q < PER * ISZ / 16; q++) {
-                            const uint4 x = ((const uint4 *)(bsrc + (size_t)a * ISZ))[q];
-                            wds[4 * q] = x.x; wds[4 * q + 1] = x.y; wds[4 * q + 2] = x.z; wds[4 * q + 3] = x.w;
-                        }
-#pragma unroll
-                        for (u32 i = 0; i < PER; i++)
-                            sy[i] = plane_sym<LAYOUT, ISZ>(elem_of<ISZ>(wds + (i / 16) * (4 * ISZ), i % 16), cp);
-                    } else {
-#pragma unroll
-                        for (u32 i = 0; i < PER; i++) sy[i] = i < cntv ? plane_byte<LAYOUT, ISZ>(bsrc, a + i, cp) : 0u;
-                    }
-                    u32 mybits = 0;
-#pragma unroll
-                    for (u32 i = 0; i < PER; i++) {
-                        sy[i] = i < cntv ? cl[sy[i]] : 0u; /* code | len << 16; 0 past the end */
-                        mybits += sy[i] >> 16;
-                    }
-                    u32 incl = mybits;
-#pragma unroll
-                    for (int d = 1; d < 32; d <<= 1) {
-                        const u32 o = __shfl_up_sync(0xFFFFFFFFu, incl, d);
-                        if (lane >= (u32)d) incl += o;
-                    }
-                    const u32 pos = incl - mybits;
-                    __syncwarp();
-                    u32 wi = pos >> 5;
-                    u64 acc = 0;
-                    u32 nbits = pos & 31;
-#pragma unroll
-                    for (u32 i = 0; i < PER; i++) {
-                        acc |= (u64)(sy[i] & 0xFFFFu) << nbits;
-                        nbits += sy[i] >> 16;
-                        if (nbits >= 32) {
-                            atomicOr(&stg[wi++], (u32)acc);
-                            acc >>= 32;
-                            nbits -= 32;
-                        }
-                    }
-                    if (nbits) atomicOr(&stg[wi], (u32)acc);
-                    __syncwarp();
-                    /* copy nb bytes to data + start (any alignment): whole aligned words where
-                     * the sub-stream covers them, bytes at its ends (shared with neighbours) */
-                    u8 *d = data + start;
-                    const u32 mis = (u32)((size_t)d & 3);
-                    u8 *pa = d - mis;
-                    const u32 W = (mis + nb + 3) / 4;
-                    for (u32 w = lane; w < W; w += 32) {
-                        const int i0 = 4 * (int)w - (int)mis;
-                        if (i0 >= 0 && i0 + 4 <= (int)nb) {
-                            const u32 qq = (u32)i0 >> 2, sh = (u32)i0 & 3;
-                            *(u32 *)(pa + 4 * w) = sh ? __funnelshift_r(stg[qq], stg[qq + 1], 8 * sh) : stg[qq];
-                        } else {
-                            for (int kb = 0; kb < 4; kb++) {
-                                const int i = i0 + kb;
-                                if (i >= 0 && i < (int)nb) pa[4 * w + kb] = (u8)(stg[i >> 2] >> (8 * (i & 3)));
-                            }
-                        }
-                    }
-                    __syncwarp();
-                }
-                PH(2, 2);
-                p = data + total;
-            } else {
-                if (t == 0) p[0] = PLANE_RAW;
-                coop_plane<LAYOUT, ISZ>(p + 1, bsrc, n, j, t, TPB);
-                p += 1 + n;
             }
         }
+        PHASE(0, 7);
+        if (huff) {
+            u8 *sec = dst + sm.data_off[hp];
+            u32 *wb32 = (u32 *)(wbufs + warp * WBUF_BYTES);
+            for (u32 j = warp; j < k; j += NW) {
+                u32 start = sm.sbytes[j], stop = j + 1 < k ? sm.sbytes[j + 1] : sm.huff_total;
+                u32 s0 = j * S + lane * per;
+                u32 cnt = s0 < n ? (n - s0 < per ? n - s0 : per) : 0u;
+                encode_substream(E, s0, cnt, ct, wb32, stop - start);
+                for (u32 i = lane; i < stop - start; i += 32) sec[start + i] = ((const u8 *)wb32)[i];
+                __syncwarp();
+            }
+            for (u32 i = sm.huff_total + tid; i < align16(sm.huff_total); i += NT) sec[i] = 0;
+            __syncthreads();
+            PHASE(0, 8);
+            for (u32 u = tid; u < align16(sm.huff_total) / 16; u += NT)
+                h_pay += uzh_chunk(*(const uint4 *)(sec + 16 * u), (sm.data_off[hp] >> 4) + u);
+        }
     }
-    __syncthreads();
-    PH(2, 3);
-    const u32 crc_pay = crc_par(crc_sm + lane, dst, size, red, (uint4 *)stg_all);
-    PH(2, 4);
-    if (t == 0) {
-        u32 *te = (u32 *)(out + table_offset + 12ull * b);
-        te[0] = size; te[1] = crc_orig; te[2] = crc_pay;
+
+    /* 6. the table entry, the table's share of the header hash, and the header if last */
+    PHASE(0, 9);
+    h_orig = block_sum(h_orig, sm.red);
+    h_pay = block_sum(h_pay, sm.red);
+    if (tid == 0) {
+        u64 ent[3] = {sm.base + size, h_orig + (u64)nbytes * UZH_LENGTH_MUL, h_pay + (u64)size * UZH_LENGTH_MUL};
+        u64 at = table_off + 24ull * b, share = 0;
+        for (int i = 0; i < 3; i++) {
+            *(u64 *)(out + at + 8 * i) = ent[i];
+            share += uzh_word((u32)ent[i], at + 8 * i) + uzh_word((u32)(ent[i] >> 32), at + 8 * i + 4);
+        }
+        atomicAdd(&state[2], share);
+        __threadfence();
+        if (atomicAdd(&state[1], 1ull) == nblocks - 1) {
+            __threadfence();
+            enc_finalize(out, table_off, payload_off, nblocks, state, size_out, hw);
+        }
     }
+    PHASE(0, 14);
 }
 
-/* Writes the 40-byte header and dims (h[0..12], prepared by the host with frame_nbytes 0),
- * patches frame_nbytes from *total, then the header CRC at payload_offset - 4. One CUDA block. */
-extern "C" __global__ void __launch_bounds__(TPB) uz_enc_header(u8 *out, const u64 *__restrict__ total, u32 hwords,
-                                                                u64 payload_offset, u64 h0, u64 h1, u64 h2, u64 h3,
-                                                                u64 h4, u64 h5, u64 h6, u64 h7, u64 h8, u64 h9,
-                                                                u64 h10, u64 h11, u64 h12) {
-    __shared__ u32 red[TPB / 32 + 4];
-    crc_init_smem(dsm);
-    if (threadIdx.x == 0) {
-        u64 h[13] = {h0, h1, h2, h3, h4, h5, h6, h7, h8, h9, h10, h11, h12};
-        h[2] = *total; /* frame_nbytes at byte 16 */
-        for (u32 i = 0; i < hwords; i++) ((u64 *)out)[i] = h[i];
-    }
-    __syncthreads();
-    const u32 c = crc_par(dsm + (threadIdx.x & 31), out, payload_offset - 4, red, (uint4 *)(dsm + CRC_SMEM_WORDS));
-    if (threadIdx.x == 0) *(u32 *)(out + payload_offset - 4) = c;
-}
+/* ---- decoder, fast path: RAW blocks and DENSE blocks with at most one HUFF plane ---- */
 
-
-/* ======================= decoder ======================= */
-
-struct BlockCtx {
-    const u8 *blk;
-    u32 size, crc_o, crc_p, n;
-    u64 first;
-    bool ok;
+struct DecShared {
+    CodeTables ct;
+    PlaneDesc pd[17];
+    u64 red[NW];
+    u64 start, hash_orig, hash_payload;
+    u32 len, mode, bad, hp, np, hdr_end, flag, m;
+    u32 wsum[NW];
 };
-/* Reads block b's table entry and checks that its payload lies inside the frame. */
-__device__ __forceinline__ BlockCtx block_ctx(const u8 *frame, u64 payload_offset, u64 payload_len, u64 table_offset,
-                                              const u64 *offsets, u64 numel, u32 block_elems, u32 b) {
-    BlockCtx c;
-    const u32 *te = (const u32 *)(frame + table_offset + 12ull * b);
-    c.size = te[0]; c.crc_o = te[1]; c.crc_p = te[2];
-    u64 off = offsets[b];
-    c.ok = off <= payload_len && c.size <= payload_len - off;
-    if (!c.ok) c.size = 0;
-    c.blk = frame + payload_offset + (c.ok ? off : 0);
-    c.first = (u64)b * block_elems;
-    c.n = (u32)min((u64)block_elems, numel - c.first);
-    return c;
-}
 
+/* Shared memory: the decoded symbols (k sub-streams, S + 16 bytes apart so that threads
+ * storing at the same offset of their streams hit different banks), the payload's first
+ * WIN_BYTES, the decode tables, then DecShared; cuda.py's dec_smem() computes the size. */
+template <class L>
+__device__ void dec_block_fast(const u8 *frame, u64 payload_off, u64 payload_len, u64 table_off, u64 numel, u32 be,
+                               u32 S, u32 nblocks, u8 *out, u64 *err, u32 sym_bytes) {
+    UZ_DYN_SMEM(smem);
+    u8 *sym = smem;
+    u8 *win = smem + sym_bytes;
+    u32 *lut = (u32 *)(win + WIN_BYTES);
+    u16 *single = (u16 *)(lut + LUT_SIZE);
+    DecShared &sm = *(DecShared *)(single + LUT_SIZE);
+    const int tid = threadIdx.x;
+    const u32 b = blockIdx.x;
+    const u64 first = (u64)b * be;
+    const u32 n = (u32)(numel - first < be ? numel - first : be);
+    const u32 nbytes = n * L::ITEM, nchunks = (n + 15) / 16;
+    const u8 *payload = frame + payload_off;
+    const u32 *frame_end = (const u32 *)(payload + payload_len);
+    u8 *dst = out + first * L::ITEM;
+    PHASE_START();
 
-/* decode_block for RAW blocks and DENSE blocks with at most one HUFF plane; other blocks go
- * to clist for uz_dec_slow. One CUDA block (TPB threads) per codec block:
- *   1. all threads: payload CRC, staging the payload's first STAGE_BYTES in shared memory;
- *   2. thread 0: block/plane parse with every check of decode_block/decode_plane;
- *   3. all threads: pair LUT; then one thread per sub-stream decodes from shared memory (the
- *      HUFF plane comes first in GPU frames, so it is staged whenever it fits), merges with
- *      the RAW planes (global memory) and stores 16-byte words;
- *   4. all threads: CRC of the decoded block (read back; it is in L1/L2).
- *   frame            the whole frame on the device (16-byte aligned)
- *   payload_offset   where payloads start; payload_len = frame_nbytes - payload_offset
- *   table_offset     where the block table starts
- *   offsets          uz_scan's exclusive prefix of payload sizes
- *   numel, block_elems, S  from the (host-validated) header; S = substream_elems
- *   out              decoded tensor bytes (16-byte aligned)
- *   err              u64 error word: min over (block << 8 | code); ~0 when clean
- *   clist, ccount    queue of blocks for uz_dec_slow                                         */
-template <int LAYOUT, int ISZ>
-__device__ void dec_fast(const u8 *__restrict__ frame, u64 payload_offset, u64 payload_len, u64 table_offset,
-                         const u64 *__restrict__ offsets, u64 numel, u32 block_elems, u32 S, u8 *out,
-                         u64 *err, u32 *clist, u32 *ccount) {
-    constexpr int P = Lay<LAYOUT, ISZ>::P;
-    __shared__ u32 lut[LUT_SIZE];
-    __shared__ u32 scratch[LUT_SCRATCH];
-    __shared__ u32 red[TPB / 32 + 4];
-    __shared__ u32 pm[MAX_PLANES], pc[MAX_PLANES];
-    __shared__ const u8 *pr[MAX_PLANES];
-    __shared__ HuffPlane hp;
-    __shared__ int hidx;
-    __shared__ u32 status;
-    const u32 b = blockIdx.x, t = threadIdx.x;
-    BlockCtx bc = block_ctx(frame, payload_offset, payload_len, table_offset, offsets, numel, block_elems, b);
-    PH(0, 0);
-    crc_init_smem(dsm);
+    if (tid == 0) {
+        u32 code = read_entry(frame, table_off, payload_len, b, nblocks, &sm.start, &sm.len, &sm.hash_orig,
+                              &sm.hash_payload);
+        sm.bad = code;
+        if (code) report(err, b, code);
+    }
     __syncthreads();
-    PH(0, 1);
-    u8 *const sym = (u8 *)(dsm + CRC_SMEM_WORDS); /* SYM_BYTES; crc_par's staging while no symbols live */
-    const u32 crc = crc_par(dsm + (t & 31), bc.blk, bc.size, red, (uint4 *)sym);
-    PH(0, 2);
-    if (t == 0) {
-        u32 st = 0, code = 0;
-        hidx = -1;
-        const u8 *p = bc.blk, *end = bc.blk + bc.size;
-        if (!bc.ok) code = E_TOTAL;
-        else if (crc != bc.crc_p) code = E_PAYLOAD_CRC;
-        else if (bc.size < 1) code = E_EMPTY;
-        else {
-            u32 mode = *p++;
-            if (mode == BLOCK_RAW) {
-                if (bc.size != 1 + bc.n * ISZ) code = E_RAW_SIZE;
-                st = 3;
-            } else if (mode == BLOCK_DENSE) {
-                for (int j = 0; j < P && !code; j++) {
-                    u32 m = 0, cv = 0;
-                    const u8 *raw = 0;
-                    HuffPlane h;
-                    code = parse_plane(p, end, bc.n, S, m, cv, raw, h);
-                    pm[j] = m; pc[j] = cv; pr[j] = raw;
-                    if (!code && m == PLANE_HUFF) {
-                        if (hidx >= 0) st = 2;
-                        else { hidx = j; hp = h; }
+    if (sm.bad) return;
+    PHASE(1, 0);
+    const u8 *blk = payload + sm.start;
+    const u32 len = sm.len, wlen = len < WIN_BYTES ? len : WIN_BYTES;
+    for (u32 u = tid; u < wlen / 16; u += NT) ((uint4 *)win)[u] = ((const uint4 *)blk)[u];
+    __syncthreads();
+    PHASE(1, 1);
+    if (tid == 0) {
+        u32 code = 0, nhuff = 0;
+        sm.mode = len ? win[0] : 255u;
+        sm.hp = 255;
+        if (!len)
+            code = E_EMPTY;
+        else if (sm.mode == BLOCK_RAW)
+            code = len == ALIGN + align16(nbytes) ? 0u : (u32)E_RAW_SIZE;
+        else if (sm.mode == BLOCK_DENSE) {
+            code = parse_planes(win, wlen, len, 1, L::NPLANES, n, n, S, sm.pd, &nhuff, &sm.hdr_end);
+            if (!code && nhuff > 1) code = E_GENERAL;
+            for (int p = 0; p < L::NPLANES; p++)
+                if (sm.pd[p].mode == PLANE_HUFF) sm.hp = p;
+        } else
+            code = sm.mode == BLOCK_SPARSE ? (u32)E_GENERAL : (u32)E_MODE;
+        sm.bad = code;
+        if (code) report(err, b, code);
+    }
+    __syncthreads();
+    if (sm.bad) return;
+    PHASE(1, 2);
+
+    u64 h_orig = 0, h_pay = 0;
+    if (sm.mode == BLOCK_RAW) {
+        for (u32 u = tid; u < len / 16; u += NT) {
+            uint4 v = ((const uint4 *)blk)[u];
+            h_pay += uzh_chunk(v, u);
+            if (u) {
+                u32 o = 16 * (u - 1), valid = nbytes - o < 16 ? nbytes - o : 16u;
+                store16_partial(dst + o, v, valid);
+                h_orig += uzh_chunk(zero_tail(v, valid), u - 1);
+            }
+        }
+    } else {
+        const u32 hp = sm.hp;
+        /* the payload but its RAW planes (hashed in the merge): the headers' units and the HUFF
+         * plane's data, read first, which also brings the sub-streams into the caches */
+        const u32 hunits = align16(sm.hdr_end) / 16;
+        const u32 hu = hp != 255 ? align16(sm.pd[hp].size) / 16 : 0u, hoff = hp != 255 ? sm.pd[hp].data_off : 0u;
+        for (u32 u = tid; u < hunits + hu; u += NT) {
+            u32 at = u < hunits ? 16 * u : hoff + 16 * (u - hunits);
+            uint4 v = at + 16 <= wlen ? *(const uint4 *)(win + at) : *(const uint4 *)(blk + at);
+            h_pay += uzh_chunk(v, at >> 4);
+        }
+        if (hp != 255) {
+            load_lengths(sm.ct, win, sm.pd[hp]);
+            if (!build_lut(sm.ct, lut, single, &sm.flag)) {
+                if (tid == 0) report(err, b, E_HUFF_KRAFT);
+                return;
+            }
+            PHASE(1, 3);
+            const PlaneDesc &p = sm.pd[hp];
+            for (u32 j = tid; j < p.k; j += NT) {
+                u32 start = j ? load_u16(win + p.ends_off + 2 * j - 2) : 0u, stop = load_u16(win + p.ends_off + 2 * j);
+                u32 code = 0;
+                if (stop < start)
+                    code = E_ENDS_BACK;
+                else if (!decode_substream(blk + p.data_off, start, stop, p.count - j * S < S ? p.count - j * S : S,
+                                           lut, single, sym + j * (S + 16), frame_end))
+                    code = E_STREAM;
+                if (code) {
+                    report(err, b, code);
+                    sm.bad = 1;
+                }
+            }
+        }
+        __syncthreads();
+        if (sm.bad) return;
+        PHASE(1, 4);
+        constexpr int F = L::NPLANES > 2 ? 1 : 2; /* fp32 keeps one: 64 registers, no spills */
+        for (u32 c0 = tid; c0 < nchunks; c0 += F * NT) { /* F chunks in flight per thread */
+            uint4 pl[F][L::NPLANES];
+#pragma unroll
+            for (int h = 0; h < F; h++) {
+                const u32 c = c0 + h * NT;
+                if (c >= nchunks) continue;
+#pragma unroll
+                for (int q = 0; q < L::NPLANES; q++) {
+                    const PlaneDesc &p = sm.pd[q];
+                    if (p.mode == PLANE_HUFF) {
+                        pl[h][q] = *(const uint4 *)(sym + (16 * c / S) * (S + 16) + (16 * c) % S);
+                    } else if (p.mode == PLANE_RAW) {
+                        pl[h][q] = *(const uint4 *)(blk + p.data_off + 16 * c);
+                    } else {
+                        u32 v = p.value * 0x01010101u;
+                        pl[h][q] = make_uint4(v, v, v, v);
                     }
                 }
-                if (!code && p != end) code = E_TRAILING;
-                if (!code && hidx >= 0 && hp.k * (S + 16) > SYM_BYTES) st = 2; /* odd sub-stream sizes */
-            } else if (mode == BLOCK_SPARSE) {
-                st = 2;
+            }
+#pragma unroll
+            for (int h = 0; h < F; h++) {
+                const u32 c = c0 + h * NT;
+                if (c >= nchunks) continue;
+                uint4 o[L::ITEM];
+#pragma unroll
+                for (int q = 0; q < L::NPLANES; q++)
+                    if (sm.pd[q].mode == PLANE_RAW) h_pay += uzh_chunk(pl[h][q], (sm.pd[q].data_off >> 4) + c);
+                L::merge(pl[h], o);
+#pragma unroll
+                for (int i = 0; i < L::ITEM; i++) {
+                    int rem = (int)nbytes - 16 * (L::ITEM * (int)c + i);
+                    if (rem <= 0) continue;
+                    u32 valid = rem < 16 ? (u32)rem : 16u;
+                    store16_partial(dst + 16 * (L::ITEM * c + i), o[i], valid);
+                    h_orig += uzh_chunk(zero_tail(o[i], valid), L::ITEM * c + i);
+                }
+            }
+        }
+        PHASE(1, 5);
+    }
+    PHASE(1, 6);
+    h_orig = block_sum(h_orig, sm.red);
+    h_pay = block_sum(h_pay, sm.red);
+    if (tid == 0) {
+        if (h_pay + (u64)len * UZH_LENGTH_MUL != sm.hash_payload)
+            report(err, b, E_PAYLOAD_HASH);
+        else if (h_orig + (u64)nbytes * UZH_LENGTH_MUL != sm.hash_orig)
+            report(err, b, E_ORIG_HASH);
+    }
+    PHASE(1, 14);
+}
+
+/* ---- decoder, general path: every block kind, planes decoded through global scratch ---- */
+
+/* Symbol i of plane p: decoded (scratch), in the payload (RAW) or constant. */
+__device__ __forceinline__ u32 plane_sym(const PlaneDesc &p, const u8 *blk, const u8 *dec, u32 i) {
+    return p.mode == PLANE_HUFF ? dec[i] : p.mode == PLANE_RAW ? blk[p.data_off + i] : p.value;
+}
+
+/* A persistent grid: CUDA block g takes codec blocks g, g + grid, ... with its own scratch
+ * slot of (1 + NPLANES) planes, plane_stride bytes apart. Slower than the fast path and only
+ * used for frames whose GENERAL flag is set (CPU frames of zero-heavy or integer data) and for
+ * dtypes of more than 2 bytes in the bytes layout. */
+template <class L>
+__device__ void dec_block_general(const u8 *frame, u64 payload_off, u64 payload_len, u64 table_off, u64 numel,
+                                  u32 be, u32 S, u32 nblocks, u32 flags, u8 *out, u64 *err, u8 *scratch,
+                                  u32 plane_stride) {
+    UZ_DYN_SMEM(smem);
+    u32 *lut = (u32 *)smem;
+    u16 *single = (u16 *)(lut + LUT_SIZE);
+    DecShared &sm = *(DecShared *)(single + LUT_SIZE);
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const u8 *payload = frame + payload_off;
+    const u32 *frame_end = (const u32 *)(payload + payload_len);
+    u8 *slot = scratch + (u64)blockIdx.x * (1 + L::NPLANES) * plane_stride;
+
+    for (u32 b = blockIdx.x; b < nblocks; b += gridDim.x) {
+        const u64 first = (u64)b * be;
+        const u32 n = (u32)(numel - first < be ? numel - first : be);
+        const u32 nbytes = n * L::ITEM;
+        u8 *dst = out + first * L::ITEM;
+        __syncthreads(); /* sm is reused across blocks */
+        if (tid == 0) {
+            u32 code = read_entry(frame, table_off, payload_len, b, nblocks, &sm.start, &sm.len, &sm.hash_orig,
+                                  &sm.hash_payload);
+            sm.bad = code;
+            if (code) report(err, b, code);
+        }
+        __syncthreads();
+        if (sm.bad) continue;
+        const u8 *blk = payload + sm.start;
+        const u32 len = sm.len;
+        u64 h = 0;
+        for (u32 u = tid; u < len / 16; u += NT) h += uzh_chunk(((const uint4 *)blk)[u], u);
+        h = block_sum(h, sm.red);
+        if (tid == 0) {
+            u32 code = 0, nhuff = 0, general = 0;
+            sm.mode = len ? blk[0] : 255u;
+            sm.np = L::NPLANES;
+            sm.m = n;
+            if (h + (u64)len * UZH_LENGTH_MUL != sm.hash_payload)
+                code = E_PAYLOAD_HASH;
+            else if (!len)
+                code = E_EMPTY;
+            else if (sm.mode == BLOCK_RAW)
+                code = len == ALIGN + align16(nbytes) ? 0u : (u32)E_RAW_SIZE;
+            else if (sm.mode == BLOCK_DENSE) {
+                code = parse_planes(blk, len, len, 1, L::NPLANES, n, n, S, sm.pd, &nhuff, &sm.hdr_end);
+                general = nhuff > 1;
+            } else if (sm.mode == BLOCK_SPARSE) {
+                general = 1;
+                if (len < 5) {
+                    code = E_SPARSE_HDR;
+                } else {
+                    sm.m = blk[1] | ((u32)blk[2] << 8) | ((u32)blk[3] << 16) | ((u32)blk[4] << 24);
+                    sm.np = 1 + L::NPLANES;
+                    code = sm.m > n ? (u32)E_SPARSE_M
+                                    : parse_planes(blk, len, len, 5, 1 + L::NPLANES, (n + 7) / 8, sm.m, S, sm.pd,
+                                                   &nhuff, &sm.hdr_end);
+                }
             } else {
                 code = E_MODE;
             }
+            if (!code && general && !(flags & 1u)) code = E_GENERAL;
+            sm.bad = code;
+            if (code) report(err, b, code);
         }
-        if (code) { report(err, b, code); st = 1; }
-        if (st == 2) clist[atomicAdd(ccount, 1u)] = b;
-        status = st;
-    }
-    __syncthreads();
-    const u32 st = status;
-    PH(0, 3);
-    if (st == 1 || st == 2) return;
-    u8 *bout = out + bc.first * ISZ;
-    if (st == 3) {
-        /* RAW block: 16-byte groups, consecutive threads on consecutive groups (coalesced) */
-        const u32 N = bc.n * ISZ;
-        const u8 *sp = bc.blk + 1;
-        for (u32 g = t; g < N / 16; g += TPB) {
-            u32 w[4];
-            load16a(sp + 16 * g, w);
-            *(uint4 *)(bout + 16 * g) = make_uint4(w[0], w[1], w[2], w[3]);
-        }
-        for (u32 i = (N & ~15u) + t; i < N; i += TPB) bout[i] = sp[i];
-    } else {
-        const int h = hidx;
-        const u32 lcode = build_lut_group<TPB>(hp, h >= 0, lut, scratch, threadIdx.x);
-        if (lcode) {
-            if (t == 0) report(err, b, lcode);
-            return;
-        }
-        PH(0, 4);
-        /* 1. thread j decodes sub-stream j into shared memory (16-symbol stores; the
-         *    16-byte pad per sub-stream keeps a quarter-warp's stores on distinct banks) */
-        const u32 stride = S + 16;
-        u32 bad = 0;
-        if (h >= 0) {
-            for (u32 j = t; j < hp.k; j += TPB) {
-                const u32 cnt = min(S, bc.n - j * S);
-                const u32 start = j ? ld_u16(hp.ends + 2 * (j - 1)) : 0, stop = ld_u16(hp.ends + 2 * j);
-                if (stop < start || stop > hp.total) { bad = E_ENDS_BACK; break; }
-                HuffReader rd;
-                rd.init(hp.data + start, stop - start);
-                u8 *ds = sym + (size_t)j * stride;
-                u32 i = 0;
-                for (; i + 16 <= cnt; i += 16) {
-                    u32 w[4];
-                    if (i + 16 < cnt) rd.dec16(lut, w);
-                    else rd.dec16_single(lut, w);
-                    *(uint4 *)(ds + i) = make_uint4(w[0], w[1], w[2], w[3]);
-                }
-                for (; i < cnt; i++) ds[i] = (u8)rd.dec1(lut);
-                if (!rd.ok(stop - start)) { bad = E_STREAM; break; }
-            }
-        }
-        if (bad) report(err, b, bad);
         __syncthreads();
-        PH(0, 5);
-        /* 2. merge: 16 elements per thread and step, consecutive threads on consecutive
-         *    elements: coalesced RAW-plane loads and output stores */
-        const u32 G = (bc.n + 15) / 16;
-        for (u32 g = t; g < G; g += TPB) {
-            const u32 i = 16 * g;
-            if (i + 16 <= bc.n) {
-                u32 pw[P][4];
-#pragma unroll
-                for (int q = 0; q < P; q++) {
-                    if (q == h) {
-                        const uint4 v = *(const uint4 *)(sym + (size_t)(i / S) * stride + (i % S));
-                        pw[q][0] = v.x; pw[q][1] = v.y; pw[q][2] = v.z; pw[q][3] = v.w;
-                    } else if (pm[q] == PLANE_RAW) {
-                        load16a(pr[q] + i, pw[q]);
-                    } else {
-                        const u32 v = pc[q] * 0x01010101u;
-                        pw[q][0] = pw[q][1] = pw[q][2] = pw[q][3] = v;
+        if (sm.bad) continue;
+        if (sm.mode == BLOCK_RAW) {
+            for (u32 u = tid; u < align16(nbytes) / 16; u += NT) {
+                u32 o = 16 * u, valid = nbytes - o < 16 ? nbytes - o : 16u;
+                store16_partial(dst + o, ((const uint4 *)blk)[u + 1], valid);
+            }
+        } else {
+            const u32 np = sm.np;
+            for (u32 q = 0; q < np; q++) {
+                const PlaneDesc &p = sm.pd[q];
+                if (p.mode != PLANE_HUFF) continue;
+                load_lengths(sm.ct, blk, p);
+                if (!build_lut(sm.ct, lut, single, &sm.flag)) {
+                    if (tid == 0) {
+                        report(err, b, E_HUFF_KRAFT);
+                        sm.bad = 1;
+                    }
+                    break;
+                }
+                for (u32 j = tid; j < p.k; j += NT) {
+                    u32 start = j ? load_u16(blk + p.ends_off + 2 * j - 2) : 0u, stop = load_u16(blk + p.ends_off + 2 * j);
+                    u32 code = 0;
+                    if (stop < start)
+                        code = E_ENDS_BACK;
+                    else if (!decode_substream(blk + p.data_off, start, stop, p.count - j * S < S ? p.count - j * S : S,
+                                               lut, single, slot + q * plane_stride + j * S, frame_end))
+                        code = E_STREAM;
+                    if (code) {
+                        report(err, b, code);
+                        sm.bad = 1;
                     }
                 }
-                u32 o[4 * ISZ];
-                merge16<LAYOUT, ISZ>(pw, o);
-                uint4 *dst = (uint4 *)(bout + (size_t)i * ISZ);
-#pragma unroll
-                for (int q = 0; q < ISZ; q++) dst[q] = make_uint4(o[4 * q], o[4 * q + 1], o[4 * q + 2], o[4 * q + 3]);
-            } else {
-                for (u32 e = i; e < bc.n; e++) {
-                    u32 pb[P];
-                    for (int q = 0; q < P; q++)
-                        pb[q] = q == h ? sym[(size_t)(e / S) * stride + (e % S)] : (pm[q] == PLANE_RAW ? pr[q][e] : pc[q]);
-                    u8 ob[ISZ];
-                    merge1<LAYOUT, ISZ>(pb, ob);
-                    for (int q = 0; q < ISZ; q++) bout[(size_t)e * ISZ + q] = ob[q];
-                }
-            }
-        }
-    }
-    __syncthreads(); /* the decoded block is visible to the whole CUDA block */
-    PH(0, 6);
-    const u32 crc_out = crc_par(dsm + (t & 31), bout, (u64)bc.n * ISZ, red, (uint4 *)sym);
-    PH(0, 7);
-    if (t == 0 && crc_out != bc.crc_o) report(err, b, E_ORIG_CRC);
-}
-
-/* decode_block for the blocks uz_dec_fast queued (SPARSE, or several HUFF planes): each
- * plane is decoded into a per-CUDA-block scratch slot in global memory, then merged
- * element by element. Persistent grid; arguments as uz_dec_fast, plus
- *   scratch, slot_bytes   gridDim.x slots of (P + 1) * block_elems bytes                      */
-template <int LAYOUT, int ISZ>
-__device__ void dec_slow(const u8 *__restrict__ frame, u64 payload_offset, u64 payload_len, u64 table_offset,
-                         const u64 *__restrict__ offsets, u64 numel, u32 block_elems, u32 S, u8 *__restrict__ out,
-                         u64 *err, const u32 *clist, const u32 *ccount, u8 *scratch, u64 slot_bytes) {
-    constexpr int P = Lay<LAYOUT, ISZ>::P;
-    __shared__ u32 lut[LUT_SIZE];
-    __shared__ u32 scr[LUT_SCRATCH];
-    __shared__ u32 red[TPB / 32 + 4];
-    __shared__ u32 pm[MAX_PLANES + 1], pc[MAX_PLANES + 1];
-    __shared__ const u8 *pr[MAX_PLANES + 1];
-    __shared__ HuffPlane hps[MAX_PLANES + 1];
-    __shared__ u32 status, sm_m, sparse;
-    __shared__ u32 pre[TPB];
-    const u32 t = threadIdx.x;
-    const u32 count = *ccount;
-    if (blockIdx.x >= count) return; /* nothing queued for this CUDA block: the common case */
-    crc_init_smem(dsm);
-    __syncthreads();
-    u8 *slot = scratch + slot_bytes * blockIdx.x;
-    for (u32 idx = blockIdx.x; idx < count; idx += gridDim.x) {
-        const u32 b = clist[idx];
-        BlockCtx bc = block_ctx(frame, payload_offset, payload_len, table_offset, offsets, numel, block_elems, b);
-        const u32 n = bc.n, nmask = (n + 7) / 8;
-        if (t == 0) {
-            u32 code = 0;
-            const u8 *p = bc.blk + 1, *end = bc.blk + bc.size;
-            u32 mode = bc.blk[0], cnt = n;
-            sparse = mode == BLOCK_SPARSE;
-            if (sparse) {
-                if (end - p < 4) code = E_SPARSE_HDR;
-                else {
-                    sm_m = ld_u32(p);
-                    p += 4;
-                    cnt = sm_m;
-                    if (sm_m > n) code = E_SPARSE_M;
-                    else code = parse_plane(p, end, nmask, S, pm[P], pc[P], pr[P], hps[P]);
-                }
-            }
-            for (int j = 0; j < P && !code; j++) code = parse_plane(p, end, cnt, S, pm[j], pc[j], pr[j], hps[j]);
-            if (!code && p != end) code = E_TRAILING;
-            if (code) report(err, b, code);
-            status = code;
-        }
-        __syncthreads();
-        if (status) { __syncthreads(); continue; }
-        const int np = sparse ? P + 1 : P;
-        u32 bad = 0;
-        for (int j = 0; j < np; j++) {
-            if (pm[j] != PLANE_HUFF) continue;
-            const HuffPlane &h = hps[j];
-            if ((bad = build_lut_group<TPB>(h, true, lut, scr, t)) != 0) break;
-            u8 *buf = slot + (size_t)j * block_elems;
-            const u32 per = (h.k + TPB - 1) / TPB;
-            const u32 j0 = min(t * per, h.k), j1 = min(j0 + per, h.k);
-            for (u32 s = j0; s < j1 && !bad; s++) {
-                u32 start = s ? ld_u16(h.ends + 2 * (s - 1)) : 0, stop = ld_u16(h.ends + 2 * s);
-                if (stop < start || stop > h.total) { bad = E_ENDS_BACK; break; }
-                HuffReader rd;
-                rd.init(h.data + start, stop - start);
-                const u32 ss = s * S, se = min(ss + S, h.count);
-                for (u32 i = ss; i < se; i++) buf[i] = (u8)rd.dec1(lut);
-                if (!rd.ok(stop - start)) bad = E_STREAM;
+                __syncthreads();
+                if (sm.bad) break;
             }
             __syncthreads();
-        }
-        /* plane byte accessor */
-#define PBYTE(j, i) (pm[j] == PLANE_RAW ? pr[j][i] : (pm[j] == PLANE_CONST ? (u8)pc[j] : slot[(size_t)(j) * block_elems + (i)]))
-        const u32 chunkb = (nmask + TPB - 1) / TPB; /* mask bytes per thread */
-        const u32 ma = min(t * chunkb, nmask), me = min(ma + chunkb, nmask);
-        u32 pop = 0;
-        if (sparse) {
-            for (u32 i = ma; i < me; i++) pop += __popc((u32)PBYTE(P, i));
-            if ((n & 7) && me == nmask && me > ma && (PBYTE(P, nmask - 1) >> (n & 7))) bad = E_SPARSE_PAD;
-        }
-        pre[t] = pop;
-        __syncthreads();
-        if (t == 0) {
-            u32 run = 0;
-            for (int k = 0; k < TPB; k++) { u32 v = pre[k]; pre[k] = run; run += v; }
-            if (sparse && run != sm_m) report(err, b, E_SPARSE_POP);
-        }
-        __syncthreads();
-        u32 cidx = pre[t];
-        const u32 ea = min(ma * 8, n), ee = min(me * 8, n);
-        u8 *bout = out + bc.first * ISZ;
-        for (u32 i = ea; i < ee && !bad; i++) {
-            bool nz = !sparse || ((PBYTE(P, i >> 3) >> (i & 7)) & 1);
-            u32 src = sparse ? cidx : i;
-            if (sparse && nz && cidx >= sm_m) { bad = E_SPARSE_POP; break; }
-            u32 pb[P];
-            for (int q = 0; q < P; q++) pb[q] = nz ? PBYTE(q, src) : 0u;
-            if (nz && sparse) cidx++;
-            u8 ob[ISZ];
-            merge1<LAYOUT, ISZ>(pb, ob);
-            for (int q = 0; q < ISZ; q++) bout[(size_t)i * ISZ + q] = ob[q];
-        }
-#undef PBYTE
-        if (bad) report(err, b, bad);
-        __syncthreads();
-        const u32 crc_out = crc_par(dsm + (t & 31), bout, (u64)n * ISZ, red, (uint4 *)(dsm + CRC_SMEM_WORDS));
-        if (t == 0 && crc_out != bc.crc_o) report(err, b, E_ORIG_CRC);
-        __syncthreads();
-    }
-}
-
-/* ======================= wide decoder ======================= */
-/* uz_dec_wide: every thread decodes. WG = 128 threads per codec block, 1 to 8 codec
- * blocks per CUDA block (the launcher picks; they share the CRC tables); thread j of a group takes chunk j of
- * the block: Huffman sub-stream j (or 1/128 of a RAW / unentropy-coded block), decodes it,
- * merges it with the RAW/CONST planes and stores the elements itself, and runs the CRCs of
- * exactly the bytes it read and wrote on the way (one chain for its output slice, one per
- * RAW-plane slice, one for its sub-stream's bytes and its `ends` entry). CRC linearity joins
- * the chains: each register is moved to the end of its range (crc_shift) and XORed; the
- * bytes no thread covers (block and plane headers, code lengths) are done by one thread.
- * uz_dec_fast gave each codec block one CUDA block whose decode phase ran on 4 of 16 warps,
- * read the block twice more for its CRCs and held 66 KB of symbols in shared memory; here
- * all 32 resident warps of an SM decode, and the CRCs ride on the decode's own loads. */
-#define WG 128
-#define WSL 4                /* slicing-by-4 CRC tables (128 KB, lane-replicated) */
-#define WIDE_TAB_WORDS (WSL * 256 * 32 + 1024)
-#define WDESC_WORDS 256      /* per group: WideDesc, then the LUT, then the LUT build's scratch */
-#define WG_WORDS (WDESC_WORDS + LUT_SIZE + LUT_SCRATCH)
-enum { WS_IDLE = 0, WS_CRC_ONLY = 1, WS_SLOW = 2, WS_RAW = 3, WS_DENSE = 4 };
-struct WideDesc {
-    HuffPlane hp;
-    const u8 *blk;
-    u64 first;
-    u32 size, crc_o, crc_p, n;
-    u32 st, C, kk, xp, xo, bad;
-    int hidx;
-    const u8 *gap_at[2 * MAX_PLANES + 1];
-    u32 gap_len[2 * MAX_PLANES + 1];
-    u32 ngap;
-    u32 pm[MAX_PLANES], pc[MAX_PLANES];
-    const u8 *pr[MAX_PLANES];
-};
-
-/* Sub-stream reader of uz_dec_wide: single-symbol lookups, branch-free. The stream is read
- * as aligned 32-bit words, one loaded ahead; refill() tops the 64-bit buffer up by a word
- * whenever it holds fewer than 32 bits (predicated, no divergence), so two lookups of at
- * most 11 bits always find their bits. dec16() decodes 16 symbols in a fixed sequence: one
- * basic block, which the compiler interleaves with the CRC and merge work around it. The
- * pair decoder (HuffReader) needs ~2x the instructions per symbol: a data-dependent loop
- * whose refill branch some lane of the warp takes at almost every lookup. */
-struct WideReader {
-    u64 buf;
-    u32 nb, wpos, wend, nxt, bad, sk;
-    const u32 *qw;
-    __device__ __forceinline__ void init(const u8 *p, u32 nbytes) {
-        const size_t a = (size_t)p, a0 = a & ~(size_t)3;
-        qw = (const u32 *)a0;
-        sk = (u32)(a & 3) * 8;
-        wend = (u32)((((a + nbytes + 3) & ~(size_t)3) - a0) / 4);
-        const u32 w0 = wend > 0 ? qw[0] : 0u, w1 = wend > 1 ? qw[1] : 0u;
-        nxt = wend > 2 ? qw[2] : 0u;
-        buf = ((u64)w0 | ((u64)w1 << 32)) >> sk;
-        nb = 64 - sk;
-        wpos = 2;
-        bad = 0;
-    }
-    __device__ __forceinline__ void refill() {
-        const bool need = nb < 32;
-        const u64 add = (u64)nxt << (nb & 31);
-        buf = need ? (buf | add) : buf;
-        nb = need ? nb + 32 : nb;
-        wpos = need ? wpos + 1 : wpos;
-        /* the next word is loaded only by lanes that consumed one: an unconditional load here
-         * (8 per 16 symbols, 32 cache lines per warp each) made large frames L1-bound */
-        u32 nw = 0u;
-        if (need && wpos < wend) nw = qw[wpos];
-        nxt = need ? nw : nxt;
-    }
-    __device__ __forceinline__ u32 dec(const u32 *lut) {
-        const u32 e = lut[buf & (LUT_SIZE - 1)], l = LUT_LEN1(e);
-        bad |= e;
-        buf >>= l;
-        nb -= l;
-        return e & 0xFFu;
-    }
-    __device__ __forceinline__ void dec16(const u32 *lut, u32 *w) {
-#pragma unroll
-        for (int q = 0; q < 4; q++) {
-            refill();
-            const u32 a = dec(lut), b = dec(lut);
-            refill();
-            const u32 c = dec(lut), d = dec(lut);
-            w[q] = a | (b << 8) | (c << 16) | (d << 24);
-        }
-    }
-    __device__ __forceinline__ void dec16_single(const u32 *lut, u32 *w) { dec16(lut, w); }
-    __device__ __forceinline__ u32 dec1(const u32 *lut) {
-        refill();
-        return dec(lut);
-    }
-    /* bits consumed: every bit loaded into buf minus those still there */
-    __device__ __forceinline__ bool ok(u32 nbytes) const {
-        const u32 used = 32 * wpos - sk - nb;
-        return !(bad & LUT_BAD_BIT) && (used + 7) / 8 == nbytes;
-    }
-};
-
-/* Parses block b for uz_dec_wide (the checks of decode_block/decode_plane except the CRCs,
- * which the group computes); thread 0 of the group. */
-template <int LAYOUT, int ISZ>
-__device__ void wide_parse(WideDesc &d, const BlockCtx &bc, u32 S, u32 b, u64 *err) {
-    constexpr int P = Lay<LAYOUT, ISZ>::P;
-    d.blk = bc.blk; d.size = bc.size; d.crc_o = bc.crc_o; d.crc_p = bc.crc_p; d.n = bc.n; d.first = bc.first;
-    d.xo = 0; d.bad = 0; d.hidx = -1; d.ngap = 0; d.kk = 0; d.C = 16;
-    if (!bc.ok) { report(err, b, E_TOTAL); d.st = WS_IDLE; d.first = 0; return; }
-    u32 code = 0, st = WS_DENSE;
-    const u8 *p = bc.blk, *end = bc.blk + bc.size;
-    if (bc.size < 1) code = E_EMPTY;
-    else {
-        const u32 mode = *p++;
-        d.gap_at[0] = bc.blk; d.gap_len[0] = 1; d.ngap = 1;
-        if (mode == BLOCK_RAW) {
-            if (bc.size != 1 + bc.n * ISZ) code = E_RAW_SIZE;
-            st = WS_RAW;
-        } else if (mode == BLOCK_DENSE) {
-            for (int j = 0; j < P && !code; j++) {
-                u32 m = 0, cv = 0;
-                const u8 *raw = 0, *ps = p;
-                HuffPlane h;
-                code = parse_plane(p, end, bc.n, S, m, cv, raw, h);
-                if (code) break;
-                d.pm[j] = m; d.pc[j] = cv; d.pr[j] = raw;
-                /* the plane bytes before what the threads cover: mode (+ CONST value), or
-                 * mode, lo, span and the code lengths of a HUFF plane */
-                const u8 *cov = m == PLANE_RAW ? raw : (m == PLANE_CONST ? p : h.ends);
-                d.gap_at[d.ngap] = ps; d.gap_len[d.ngap] = (u32)(cov - ps); d.ngap++;
-                if (m == PLANE_HUFF) {
-                    if (d.hidx >= 0) st = WS_SLOW;
-                    else { d.hidx = j; d.hp = h; }
+            if (sm.bad) continue;
+            const bool sparse = sm.mode == BLOCK_SPARSE;
+            const u32 pl0 = sparse ? 1u : 0u, nmask = (n + 7) / 8;
+            if (sparse) { /* the mask must hold exactly m ones and zero padding bits */
+                u32 pop = 0;
+                for (u32 i = tid; i < nmask; i += NT) pop += __popc(plane_sym(sm.pd[0], blk, slot, i));
+                u64 total = block_sum(pop, sm.red);
+                if (tid == 0) {
+                    u32 code = 0;
+                    if ((n & 7) && (plane_sym(sm.pd[0], blk, slot, nmask - 1) >> (n & 7))) code = E_SPARSE_PAD;
+                    else if (total != sm.m) code = E_SPARSE_POP;
+                    sm.bad = code;
+                    if (code) report(err, b, code);
                 }
+                __syncthreads();
+                if (sm.bad) continue;
             }
-            if (!code && p != end) code = E_TRAILING;
-        } else if (mode == BLOCK_SPARSE) {
-            st = WS_SLOW;
-        } else {
-            code = E_MODE;
-        }
-    }
-    if (code) { report(err, b, code); st = WS_CRC_ONLY; }
-    if (st == WS_DENSE && d.hidx >= 0) { d.C = S; d.kk = d.hp.k; }
-    else if (st == WS_RAW || st == WS_DENSE) { d.C = max(16u, ((bc.n + WG - 1) / WG + 15) & ~15u); d.kk = (bc.n + d.C - 1) / d.C; }
-    d.st = st;
-}
-
-/* Chunk j of a DENSE block: decode, merge, store; CRC registers (from 0) of the output slice
- * and of every payload byte read, each moved to the end of its range and XORed into lo / lp.
- * Reader: WideReader (single-symbol lookups, branch-free: shortest time per sub-stream, for
- * frames of up to one wave) or HuffReader (pair lookups: half the LUT loads, which bound
- * large frames, where 32 warps per SM hide its branches). */
-template <int LAYOUT, int ISZ, class Reader>
-__device__ __forceinline__ u32 wide_dense(const WideDesc &d, const u32 *lut, const u32 *tab, u32 j, u8 *bout, u32 &lp,
-                                          u32 &lo) {
-    constexpr int P = Lay<LAYOUT, ISZ>::P;
-    const u32 e0 = j * d.C, cnt = min(d.C, d.n - e0);
-    const int h = d.hidx;
-    Reader rd;
-    u32 start = 0, stop = 0;
-    if (h >= 0) {
-        start = j ? ld_u16(d.hp.ends + 2 * (j - 1)) : 0u;
-        stop = ld_u16(d.hp.ends + 2 * j);
-        if (stop < start || stop > d.hp.total) return E_ENDS_BACK;
-        rd.init(d.hp.data + start, stop - start);
-    }
-    u32 co = 0, cr[P];
-#pragma unroll
-    for (int q = 0; q < P; q++) cr[q] = 0;
-    u8 *o = bout + (size_t)e0 * ISZ;
-    u32 i = 0;
-    /* RAW-plane bytes are loaded one step ahead: a load issued where it is used stalled the
-     * thread for an L2/DRAM round trip every 16 symbols */
-    u32 rw[P][4];
-#pragma unroll
-    for (int q = 0; q < P; q++)
-        if (q != h && d.pm[q] == PLANE_RAW && cnt >= 16) load16a(d.pr[q] + e0, rw[q]);
-    for (; i + 16 <= cnt; i += 16) {
-        u32 pw[P][4];
-#pragma unroll
-        for (int q = 0; q < P; q++) {
-            if (q == h) {
-                if (i + 16 < cnt) rd.dec16(lut, pw[q]); /* HuffReader's pairs need a symbol after these */
-                else rd.dec16_single(lut, pw[q]);
-            } else if (d.pm[q] == PLANE_RAW) {
-#pragma unroll
-                for (int k = 0; k < 4; k++) pw[q][k] = rw[q][k];
-                if (i + 32 <= cnt) load16a(d.pr[q] + e0 + i + 16, rw[q]);
-                cr[q] = crc_q<WSL>(tab, cr[q], make_uint4(pw[q][0], pw[q][1], pw[q][2], pw[q][3]));
-            } else {
-                const u32 v = d.pc[q] * 0x01010101u;
-                pw[q][0] = pw[q][1] = pw[q][2] = pw[q][3] = v;
+            u32 base = 0; /* nonzero elements before this tile */
+            for (u32 t0 = 0; t0 < n; t0 += NT) {
+                u32 i = t0 + tid;
+                bool nz = i < n && (!sparse || ((plane_sym(sm.pd[0], blk, slot, i >> 3) >> (i & 7)) & 1u));
+                u32 ballot = __ballot_sync(0xffffffffu, nz);
+                if (lane == 0) sm.wsum[warp] = __popc(ballot);
+                __syncthreads();
+                u32 rank = base + __popc(ballot & lanemask_lt());
+                for (int w = 0; w < NW; w++) {
+                    if (w < warp) rank += sm.wsum[w];
+                    if (w == NW - 1) base = base; /* keeps the loop shape simple for the compiler */
+                }
+                u32 tile = 0;
+                for (int w = 0; w < NW; w++) tile += sm.wsum[w];
+                if (i < n) {
+                    u8 bytes[16], el[16];
+                    for (int q = 0; q < L::NPLANES; q++)
+                        bytes[q] = nz ? (u8)plane_sym(sm.pd[pl0 + q], blk, slot + (pl0 + q) * plane_stride, rank) : 0;
+                    if (nz) {
+                        L::merge1(bytes, el);
+                    } else {
+                        for (int q = 0; q < L::ITEM; q++) el[q] = 0;
+                    }
+                    for (int q = 0; q < L::ITEM; q++) dst[(u64)i * L::ITEM + q] = el[q];
+                }
+                base += tile;
+                __syncthreads();
             }
         }
-        u32 ow[4 * ISZ];
-        merge16<LAYOUT, ISZ>(pw, ow);
-#pragma unroll
-        for (int q = 0; q < ISZ; q++) {
-            const uint4 v = make_uint4(ow[4 * q], ow[4 * q + 1], ow[4 * q + 2], ow[4 * q + 3]);
-            *(uint4 *)(o + (size_t)i * ISZ + 16 * q) = v;
-            co = crc_q<WSL>(tab, co, v);
+        __syncthreads();
+        u64 ho = 0;
+        for (u32 u = tid; u < align16(nbytes) / 16; u += NT) {
+            u32 o = 16 * u, valid = nbytes - o < 16 ? nbytes - o : 16u;
+            ho += uzh_chunk(load16_partial(dst + o, valid), u);
         }
-    }
-    for (; i < cnt; i++) {
-        u32 pb[P];
-#pragma unroll
-        for (int q = 0; q < P; q++) {
-            if (q == h) pb[q] = rd.dec1(lut);
-            else if (d.pm[q] == PLANE_RAW) { pb[q] = d.pr[q][e0 + i]; cr[q] = crc_b(tab, cr[q], pb[q]); }
-            else pb[q] = d.pc[q];
-        }
-        u8 ob[ISZ];
-        merge1<LAYOUT, ISZ>(pb, ob);
-#pragma unroll
-        for (int q = 0; q < ISZ; q++) { o[(size_t)i * ISZ + q] = ob[q]; co = crc_b(tab, co, ob[q]); }
-    }
-    u32 bad = 0;
-    if (h >= 0 && !rd.ok(stop - start)) bad = E_STREAM;
-    const u64 end_o = (u64)(e0 + cnt) * ISZ;
-    lo ^= crc_shift(co, (u64)d.n * ISZ - end_o);
-#pragma unroll
-    for (int q = 0; q < P; q++)
-        if (q != h && d.pm[q] == PLANE_RAW) lp ^= crc_shift(cr[q], d.size - (u64)(d.pr[q] + e0 + cnt - d.blk));
-    if (h >= 0) {
-        u32 cs = 0;
-        crc_run<1, WSL>(tab, &cs, d.hp.data + start, 0, stop - start);
-        lp ^= crc_shift(cs, d.size - (u64)(d.hp.data + stop - d.blk));
-        const u8 *ep = d.hp.ends + 2 * j;
-        lp ^= crc_shift(crc_b(tab, crc_b(tab, 0u, ep[0]), ep[1]), d.size - (u64)(ep + 2 - d.blk));
-    }
-    return bad;
-}
-
-/* Chunk j of a RAW block: copy, one CRC register for both the payload and the output. */
-template <int ISZ>
-__device__ __forceinline__ void wide_raw(const WideDesc &d, const u32 *tab, u32 j, u8 *bout, u32 &lp, u32 &lo) {
-    const u32 e0 = j * d.C, cnt = min(d.C, d.n - e0);
-    const u8 *s = d.blk + 1 + (size_t)e0 * ISZ;
-    u8 *o = bout + (size_t)e0 * ISZ;
-    const u32 nbytes = cnt * ISZ;
-    u32 c = 0, i = 0;
-    for (; i + 16 <= nbytes; i += 16) {
-        u32 w[4];
-        load16a(s + i, w);
-        const uint4 v = make_uint4(w[0], w[1], w[2], w[3]);
-        *(uint4 *)(o + i) = v;
-        c = crc_q<WSL>(tab, c, v);
-    }
-    for (; i < nbytes; i++) { o[i] = s[i]; c = crc_b(tab, c, s[i]); }
-    const u64 end_o = (u64)e0 * ISZ + nbytes;
-    lo ^= crc_shift(c, (u64)d.n * ISZ - end_o);
-    lp ^= crc_shift(c, d.size - (1 + end_o));
-}
-
-/* decode_block, every block: DENSE blocks with at most one HUFF plane and RAW blocks here;
- * SPARSE blocks and blocks with several HUFF planes get their payload CRC checked here and
- * are queued to uz_dec_slow. Arguments as uz_dec_fast, plus nblocks. */
-template <int LAYOUT, int ISZ, class Reader>
-__device__ void dec_wide(const u8 *__restrict__ frame, u64 payload_offset, u64 payload_len, u64 table_offset,
-                         const u64 *__restrict__ offsets, u64 numel, u32 block_elems, u32 S, u32 nblocks, u8 *out,
-                         u64 *err, u32 *clist, u32 *ccount) {
-    static_assert(sizeof(WideDesc) <= 4 * WDESC_WORDS, "WideDesc outgrew its slot");
-    /* dynamic shared memory: the CRC tables, then per group (blockDim.x / WG of them) its
-     * WideDesc, LUT and LUT-build scratch; the launcher sizes it (cuda.py: wide_smem) */
-    const u32 G = blockDim.x / WG, g = threadIdx.x / WG, lt = threadIdx.x % WG;
-    const u32 b = blockIdx.x * G + g;
-    u32 *const gbase = dsm + WIDE_TAB_WORDS + g * WG_WORDS;
-    WideDesc &d = *(WideDesc *)gbase;
-    u32 *const glut = gbase + WDESC_WORDS, *const gscr = glut + LUT_SIZE;
-    PH(0, 0);
-    crc_init_smem<WSL>(dsm);
-    if (lt == 0) {
-        if (b < nblocks) {
-            const BlockCtx bc = block_ctx(frame, payload_offset, payload_len, table_offset, offsets, numel, block_elems, b);
-            wide_parse<LAYOUT, ISZ>(d, bc, S, b, err);
-        } else {
-            d.st = WS_IDLE;
-            d.first = 0;
-        }
-    }
-    __syncthreads();
-    PH(0, 1);
-    const u32 *tab = dsm + (threadIdx.x & 31);
-    const u32 st = d.st;
-    if (lt == 32 && st != WS_IDLE) {
-        /* the payload register's start (~0, moved over the whole payload) and the headers */
-        u32 x = crc_shift(~0u, d.size);
-        if (st != WS_CRC_ONLY && st != WS_SLOW)
-            for (u32 q = 0; q < d.ngap; q++) {
-                u32 c = 0;
-                crc_run<1, WSL>(tab, &c, d.gap_at[q], 0, d.gap_len[q]);
-                x ^= crc_shift(c, d.size - (u64)(d.gap_at[q] + d.gap_len[q] - d.blk));
-            }
-        d.xp = x;
-    }
-    const u32 lcode = build_lut_group<WG>(d.hp, st == WS_DENSE && d.hidx >= 0, glut, gscr, lt);
-    PH(0, 2);
-    u32 lp = 0, lo = 0, bad = 0;
-    u8 *bout = out + d.first * ISZ;
-    if (st == WS_CRC_ONLY || st == WS_SLOW) {
-        const u32 per = (d.size + WG - 1) / WG, a = min(lt * per, d.size), e = min(a + per, d.size);
-        u32 c = 0;
-        crc_run<1, WSL>(tab, &c, d.blk + a, 0, e - a);
-        lp = crc_shift(c, d.size - e);
-    } else if (st == WS_RAW) {
-        for (u32 j = lt; j < d.kk; j += WG) wide_raw<ISZ>(d, tab, j, bout, lp, lo);
-    } else if (st == WS_DENSE && !lcode) {
-        /* after an error, later chunks still run: their CRC pieces keep the payload check whole */
-        for (u32 j = lt; j < d.kk; j += WG) {
-            const u32 e = wide_dense<LAYOUT, ISZ, Reader>(d, glut, tab, j, bout, lp, lo);
-            if (!bad) bad = e;
-        }
-    }
-    /* E_ENDS_BACK leaves a sub-stream's bytes out of the payload CRC: report only it */
-    if (bad) { report(err, b, bad); atomicOr(&d.bad, bad == E_ENDS_BACK ? 3u : 1u); }
-    lp = __reduce_xor_sync(0xFFFFFFFFu, lp);
-    lo = __reduce_xor_sync(0xFFFFFFFFu, lo);
-    if ((lt & 31) == 0 && st != WS_IDLE) { atomicXor(&d.xp, lp); atomicXor(&d.xo, lo); }
-    __syncthreads();
-    PH(0, 3);
-    if (lt == 0 && st != WS_IDLE) {
-        const bool crc_ok = ~d.xp == d.crc_p || (d.bad & 2u);
-        if (!crc_ok) report(err, b, E_PAYLOAD_CRC);
-        if (lcode) report(err, b, lcode);
-        if (st == WS_SLOW && crc_ok) clist[atomicAdd(ccount, 1u)] = b;
-        if ((st == WS_RAW || st == WS_DENSE) && !lcode && !d.bad &&
-            ~(crc_shift(~0u, (u64)d.n * ISZ) ^ d.xo) != d.crc_o)
-            report(err, b, E_ORIG_CRC);
+        ho = block_sum(ho, sm.red);
+        if (tid == 0 && ho + (u64)nbytes * UZH_LENGTH_MUL != sm.hash_orig) report(err, b, E_ORIG_HASH);
     }
 }
 
-/* ---- extern "C" entry points, one set per (layout, itemsize) ---- */
-#define UZ_INSTANTIATE(NAME, LAYOUT, ISZ)                                                                        \
-    extern "C" __global__ void __launch_bounds__(TPB, 2) uz_enc_stats_##NAME(const u8 *src, u64 numel, u32 S, int cp, \
-                                                                          u8 *info) {                            \
-        enc_stats<LAYOUT, ISZ>(src, numel, S, cp, info);                                                         \
-    }                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(TPB, 2) uz_enc_write_##NAME(const u8 *src, u64 numel, u32 S, int cp, \
-                                                                          const u8 *info, const u64 *offsets,      \
-                                                                          u8 *out, u64 payload_offset,             \
-                                                                          u64 table_offset) {                      \
-        enc_write<LAYOUT, ISZ>(src, numel, S, cp, info, offsets, out, payload_offset, table_offset);            \
-    }                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(TPB, 2)                                                         \
-        uz_dec_fast_##NAME(const u8 *frame, u64 payload_offset, u64 payload_len, u64 table_offset,               \
-                           const u64 *offsets, u64 numel, u32 block_elems, u32 S, u8 *out, u64 *err, u32 *clist,  \
-                           u32 *ccount) {                                                                        \
-        dec_fast<LAYOUT, ISZ>(frame, payload_offset, payload_len, table_offset, offsets, numel, block_elems, S,   \
-                              out, err, clist, ccount);                                                          \
-    }                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(1024, 1)                                                        \
-        uz_dec_wide_##NAME(const u8 *frame, u64 payload_offset, u64 payload_len, u64 table_offset,               \
-                           const u64 *offsets, u64 numel, u32 block_elems, u32 S, u32 nblocks, u8 *out, u64 *err, \
-                           u32 *clist, u32 *ccount) {                                                            \
-        dec_wide<LAYOUT, ISZ, WideReader>(frame, payload_offset, payload_len, table_offset, offsets, numel,      \
-                                          block_elems, S, nblocks, out, err, clist, ccount);                     \
-    }                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(1024, 1)                                                        \
-        uz_dec_widep_##NAME(const u8 *frame, u64 payload_offset, u64 payload_len, u64 table_offset,              \
-                            const u64 *offsets, u64 numel, u32 block_elems, u32 S, u32 nblocks, u8 *out,         \
-                            u64 *err, u32 *clist, u32 *ccount) {                                                 \
-        dec_wide<LAYOUT, ISZ, HuffReader>(frame, payload_offset, payload_len, table_offset, offsets, numel,      \
-                                          block_elems, S, nblocks, out, err, clist, ccount);                     \
-    }                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(TPB)                                                            \
-        uz_dec_slow_##NAME(const u8 *frame, u64 payload_offset, u64 payload_len, u64 table_offset,               \
-                           const u64 *offsets, u64 numel, u32 block_elems, u32 S, u8 *out, u64 *err,              \
-                           const u32 *clist, const u32 *ccount, u8 *scratch, u64 slot_bytes) {                    \
-        dec_slow<LAYOUT, ISZ>(frame, payload_offset, payload_len, table_offset, offsets, numel, block_elems, S,   \
-                              out, err, clist, ccount, scratch, slot_bytes);                                     \
+/* ---- the kernels cuda.py launches ---- */
+
+/* h0..h12: the header and dims, 13 scalar parameters (enc_finalize indexes them only with
+ * constants, so they never become a per-thread array in local memory) */
+#define UZ_ENC_ARGS                                                                                        \
+    const u8 *src, u64 numel, u32 block_elems, u32 substream, u8 *out, u64 table_off, u64 payload_off,    \
+        u32 nblocks, u64 *state, u64 *size_out, u64 h0, u64 h1, u64 h2, u64 h3, u64 h4, u64 h5, u64 h6, u64 h7, \
+        u64 h8, u64 h9, u64 h10, u64 h11, u64 h12
+#define UZ_ENC_BODY(LAYOUT)                                                                                  \
+    {                                                                                                        \
+        const HeaderWords hw = {{h0, h1, h2, h3, h4, h5, h6, h7, h8, h9, h10, h11, h12}};                  \
+        enc_block<LAYOUT>(src, numel, block_elems, substream, out, table_off, payload_off, nblocks, state,  \
+                          size_out, hw);                                                                     \
     }
+#define UZ_DEC_ARGS                                                                                       \
+    const u8 *frame, u64 payload_off, u64 payload_len, u64 table_off, u64 numel, u32 block_elems,         \
+        u32 substream, u32 nblocks, u8 *out, u64 *err
+#define UZ_DEC_GENERAL_ARGS UZ_DEC_ARGS, u32 flags, u8 *scratch, u32 plane_stride
 
-UZ_INSTANTIATE(bf16, LAYOUT_BF16, 2)
-UZ_INSTANTIATE(fp32, LAYOUT_FP32, 4)
-UZ_INSTANTIATE(b1, LAYOUT_BYTES, 1)
-UZ_INSTANTIATE(b2, LAYOUT_BYTES, 2)
-UZ_INSTANTIATE(b4, LAYOUT_BYTES, 4)
-UZ_INSTANTIATE(b8, LAYOUT_BYTES, 8)
-UZ_INSTANTIATE(b16, LAYOUT_BYTES, 16)
+extern "C" __global__ void __launch_bounds__(NT, 2) uz_enc_bf16(UZ_ENC_ARGS) UZ_ENC_BODY(LayoutBf16)
+extern "C" __global__ void __launch_bounds__(NT, 2) uz_enc_fp32(UZ_ENC_ARGS) UZ_ENC_BODY(LayoutFp32)
+extern "C" __global__ void __launch_bounds__(NT, 2) uz_enc_b1(UZ_ENC_ARGS) UZ_ENC_BODY(LayoutBytes<1>)
+extern "C" __global__ void __launch_bounds__(NT, 2) uz_enc_b2(UZ_ENC_ARGS) UZ_ENC_BODY(LayoutBytes<2>)
+extern "C" __global__ void __launch_bounds__(NT, 2) uz_enc_b4(UZ_ENC_ARGS) UZ_ENC_BODY(LayoutBytes<4>)
+extern "C" __global__ void __launch_bounds__(NT, 2) uz_enc_b8(UZ_ENC_ARGS) UZ_ENC_BODY(LayoutBytes<8>)
+extern "C" __global__ void __launch_bounds__(NT, 2) uz_enc_b16(UZ_ENC_ARGS) UZ_ENC_BODY(LayoutBytes<16>)
 
-/* CRC32C of nseg segments [p + i * seg, + min(seg, n - i * seg)), one CUDA block each: the
- * tests check crc_par against the CPU at every alignment and length, the benchmark times it. */
-extern "C" __global__ void __launch_bounds__(TPB) uz_crc_segs(const u8 *p, u64 seg, u64 n, u32 *out) {
-    __shared__ u32 red[TPB / 32 + 4];
-    crc_init_smem(dsm);
-    __syncthreads();
-    const u64 a = (u64)blockIdx.x * seg;
-    const u32 c = crc_par(dsm + (threadIdx.x & 31), p + a, min(seg, n - a), red, (uint4 *)(dsm + CRC_SMEM_WORDS));
-    if (threadIdx.x == 0) out[blockIdx.x] = c;
+#define UZ_DEC_KERNELS(NAME, LAYOUT)                                                                       \
+    extern "C" __global__ void __launch_bounds__(NT, 2) uz_dec_##NAME(UZ_DEC_ARGS, u32 sym_bytes) {           \
+        dec_block_fast<LAYOUT>(frame, payload_off, payload_len, table_off, numel, block_elems, substream,  \
+                               nblocks, out, err, sym_bytes);                                              \
+    }                                                                                                      \
+    extern "C" __global__ void __launch_bounds__(NT) uz_dec_general_##NAME(UZ_DEC_GENERAL_ARGS) {          \
+        dec_block_general<LAYOUT>(frame, payload_off, payload_len, table_off, numel, block_elems, substream, \
+                                  nblocks, flags, out, err, scratch, plane_stride);                        \
+    }
+UZ_DEC_KERNELS(bf16, LayoutBf16)
+UZ_DEC_KERNELS(fp32, LayoutFp32)
+UZ_DEC_KERNELS(b1, LayoutBytes<1>)
+UZ_DEC_KERNELS(b2, LayoutBytes<2>)
+UZ_DEC_KERNELS(b4, LayoutBytes<4>)
+UZ_DEC_KERNELS(b8, LayoutBytes<8>)
+UZ_DEC_KERNELS(b16, LayoutBytes<16>)
+
+/* UZH64 of each seg-byte segment of data (the last may be short), one CUDA block each: the
+ * checksum on its own, for the tests and the benchmark. */
+extern "C" __global__ void __launch_bounds__(NT) uz_hash_segs(const u8 *data, u64 seg, u64 n, u64 *out) {
+    UZ_DYN_SMEM(smem);
+    u64 *red = (u64 *)smem; /* NW words */
+    const u64 s0 = (u64)blockIdx.x * seg;
+    const u64 len = n - s0 < seg ? n - s0 : seg;
+    u64 h = 0;
+    for (u64 u = threadIdx.x; u < (len + 15) / 16; u += NT) {
+        u64 o = 16 * u;
+        h += uzh_chunk(load16_partial(data + s0 + o, len - o < 16 ? (u32)(len - o) : 16u), (u32)u);
+    }
+    h = block_sum(h, red);
+    if (threadIdx.x == 0) out[blockIdx.x] = h + len * UZH_LENGTH_MUL;
 }
+
+#ifdef UZ_SIMT
+UZSIM_EXPORT(uz_enc_bf16);
+UZSIM_EXPORT(uz_enc_fp32);
+UZSIM_EXPORT(uz_enc_b1);
+UZSIM_EXPORT(uz_enc_b2);
+UZSIM_EXPORT(uz_enc_b4);
+UZSIM_EXPORT(uz_enc_b8);
+UZSIM_EXPORT(uz_enc_b16);
+UZSIM_EXPORT(uz_dec_bf16);
+UZSIM_EXPORT(uz_dec_fp32);
+UZSIM_EXPORT(uz_dec_b1);
+UZSIM_EXPORT(uz_dec_b2);
+UZSIM_EXPORT(uz_dec_b4);
+UZSIM_EXPORT(uz_dec_b8);
+UZSIM_EXPORT(uz_dec_b16);
+UZSIM_EXPORT(uz_dec_general_bf16);
+UZSIM_EXPORT(uz_dec_general_fp32);
+UZSIM_EXPORT(uz_dec_general_b1);
+UZSIM_EXPORT(uz_dec_general_b2);
+UZSIM_EXPORT(uz_dec_general_b4);
+UZSIM_EXPORT(uz_dec_general_b8);
+UZSIM_EXPORT(uz_dec_general_b16);
+UZSIM_EXPORT(uz_hash_segs);
+#endif
+
+/* sizeof the shared-memory structs, read once by cuda.py to size each launch's shared memory */
+extern "C" __global__ void uz_layout_sizes(u32 *out) {
+    out[0] = (u32)sizeof(EncShared);
+    out[1] = (u32)sizeof(DecShared);
+}
+#ifdef UZ_SIMT
+UZSIM_EXPORT(uz_layout_sizes);
+#endif
