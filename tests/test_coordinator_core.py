@@ -4,6 +4,8 @@ import threading
 
 import pytest
 
+from uzip_serve import format as fmt
+
 pytest.importorskip("grpc")
 
 from uzip_serve.coordinator import pb  # noqa: E402
@@ -20,7 +22,7 @@ def spec(name, shape, dtype="bfloat16", shard=None):
 
 def reg(rid, *specs):
     return pb.RegisterRequest(receiver_id=rid, p2p_address=f"127.0.0.1:{1000 + len(rid)}", device_kind="cpu",
-                              expected=list(specs), codec_version=1)
+                              expected=list(specs), codec_version=fmt.FORMAT_VERSION)
 
 
 @pytest.fixture
@@ -32,6 +34,14 @@ def core(tmp_path):
 
 def begin(core, version=0, specs=(spec("w", (4, 4)),), timeout=5.0):
     return core.begin_push(pb.BeginPushRequest(version=version, manifest=list(specs), timeout_s=timeout))
+
+
+def test_a_receiver_of_another_frame_format_is_refused(core):
+    old = pb.RegisterRequest(receiver_id="old", p2p_address="127.0.0.1:1", device_kind="cpu",
+                             expected=[spec("w", (4, 4))], codec_version=1)
+    with pytest.raises(CoordinatorError, match="v1.*v2") as e:
+        core.register(old)
+    assert e.value.code == "FAILED_PRECONDITION"
 
 
 def test_versions_increase_and_commit_needs_everyone(core):
