@@ -293,6 +293,8 @@ def main(argv=None):
     ap.add_argument("--make-slice", metavar="PATH", help="write the real-data slice for a GPU machine and exit")
     ap.add_argument("--hash-micro", action="store_true", help="time UZH64 alone (1 GiB in 128 KiB segments)")
     ap.add_argument("--profile", action="store_true", help="per-kernel GPU times at 1 MiB and 256 MiB")
+    ap.add_argument("--once", type=int, metavar="MIB",
+                    help="one warm-up, then one compress and one decompress of MIB of bf16: a target for ncu")
     ap.add_argument("--phases", action="store_true",
                     help="cycles per kernel phase (needs UZIP_CUDA_CUBIN built with -DUZ_PHASES)")
     args = ap.parse_args(argv)
@@ -302,6 +304,8 @@ def main(argv=None):
         return hash_micro(args.repeats)
     if args.profile:
         return profile_kernels()
+    if args.once:
+        return once(args.once * MiB)
     if args.phases:
         return phases([int(s) * MiB for s in args.sizes.split(",")], args.repeats)
     sizes = [int(s) * MiB for s in args.sizes.split(",")]
@@ -366,10 +370,9 @@ def hash_micro(repeats):
         print(f"UZH64 seg={seg}: {gbps(data.numel(), ms):7.1f} GB/s  correct={ok}", flush=True)
 
 
-ENC_MARKS = ["read+hist", "hist reduce+sort", "lengths (thread 0)", "codes+bits", "sizes+scan", "layout",
-             "look-back", "headers+RAW planes", "HUFF streams+hash", "", "", "", "", "", "sums+entry"]
-DEC_MARKS = ["entry", "window", "parse", "LUT", "decode", "merge", "hash rest", "", "", "", "", "", "", "",
-             "sums"]
+ENC_MARKS = ["read+hist", "hist reduce+sort", "lengths", "codes+bits", "sizes+scan", "layout", "look-back",
+             "RAW planes", "HUFF streams", "hash HUFF", "", "", "", "", "sums+entry"]
+DEC_MARKS = ["entry", "window", "parse", "hash+LUT", "decode", "merge", "", "", "", "", "", "", "", "", "sums"]
 
 
 def phases(sizes, repeats):
@@ -402,6 +405,23 @@ def phases(sizes, repeats):
                   f"{blocks / repeats:.0f} blocks per call")
             print("    " + "  ".join(f"{m}={v:.0f}" for m, v in zip(marks, per) if m and v))
         del x, out, y
+
+
+def once(size):
+    """Under ncu: `ncu --launch-skip 2 --launch-count 2 -k regex:uz_ python -m benchmarks.codec_gpu --once 64`
+    profiles exactly one compress and one decompress after a warm-up of each."""
+    x = (torch.randn(size // 2, device="cuda") * 0.02).to(torch.bfloat16)
+    out = torch.empty(uz.max_compressed_size(size, x.dtype), dtype=torch.uint8, device="cuda")
+    size_t = torch.zeros(1, dtype=torch.int64, device="cuda")
+    codec.compress_device_async(x, out, size_t)
+    n = int(size_t.item())
+    hdr = uz.read_header(out[:n].cpu().numpy().tobytes())
+    y = torch.empty_like(x)
+    codec.decompress_device(out[:n], header=hdr, out=y, check=False)
+    codec.compress_device_async(x, out, size_t)
+    codec.decompress_device(out[:n], header=hdr, out=y, check=False)
+    torch.cuda.synchronize()
+    print("exact:", torch.equal(y.view(torch.uint8), x.view(torch.uint8)))
 
 
 def profile_kernels():

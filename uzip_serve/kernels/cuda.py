@@ -31,10 +31,12 @@ from uzip_serve.format import FrameError, FrameHeader
 # Must match cuda_codec.cu.
 NT = 512  # threads per CUDA block
 NW = NT // 32
-WBUF_BYTES = 1424  # an encoder warp's sub-stream buffer
+WBUF_BYTES = 1424  # an encoder warp's sub-stream buffer (the histogram's counters first)
 WIN_BYTES = 2304  # the fast decoder's copy of a payload's first bytes
 LUT_BYTES = 2048 * 4 + 2048 * 2  # decode table + single-symbol table
 MAX_ENC_SUBSTREAM = 1024
+SM_SHARED_BYTES = 228 * 1024  # shared memory per SM on Hopper (H100/H200)
+SM_BLOCK_RESERVED = 1024  # the system's share of it per CUDA block
 ENC_BLOCK_ELEMS = fmt.DEFAULT_BLOCK_ELEMS  # 65536: max_compressed_size's bound holds for GPU frames
 NO_ERROR = (1 << 64) - 1
 
@@ -98,11 +100,20 @@ def encoder_substream(nbytes: int) -> int:
         if s < fmt.MIN_SUBSTREAM_ELEMS or s > MAX_ENC_SUBSTREAM or s & (s - 1):
             raise ValueError(f"UZIP_GPU_SUBSTREAM={s}: a power of two in [64, {MAX_ENC_SUBSTREAM}]")
         return s
-    if nbytes >= 64 << 20:
-        return 1024
     if nbytes >= 8 << 20:
         return 512
     return 256
+
+
+def fast_decoder_launch(block_elems: int, substream: int, dec_shared: int) -> tuple[int, int, int]:
+    """(symbol buffer bytes, dynamic shared memory, bytes for the staged HUFF data) of the fast
+    decoder for a frame's block and sub-stream sizes: the HUFF plane's data is staged in shared
+    memory up to what still fits with two CUDA blocks per SM (typical exponent planes: 20-25
+    KB); larger sections are read from the frame."""
+    sym_bytes = -(-block_elems // substream) * (substream + 16)
+    base = sym_bytes + LUT_BYTES + WIN_BYTES + dec_shared
+    sect = max(0, (SM_SHARED_BYTES // 2 - SM_BLOCK_RESERVED - base) // 16 * 16)
+    return sym_bytes, base + sect, sect
 
 
 class CupyRuntime:
@@ -323,9 +334,8 @@ class CudaCodec:
                             args + (_u32(header.flags), _u64(scratch.data_ptr()), _u32(stride)), stream,
                             LUT_BYTES + dec_shared)
         else:
-            sym_bytes = -(-be // ss) * (ss + 16)
-            self._rt.launch(dev, f"uz_dec_{name}", nb, NT, args + (_u32(sym_bytes),), stream,
-                            sym_bytes + WIN_BYTES + LUT_BYTES + dec_shared)
+            sym_bytes, smem, sect_bytes = fast_decoder_launch(be, ss, dec_shared)
+            self._rt.launch(dev, f"uz_dec_{name}", nb, NT, args + (_u32(sym_bytes), _u32(sect_bytes)), stream, smem)
         if target is not out:
             out.copy_(target)
         if stream is not None:
@@ -341,8 +351,6 @@ class CudaCodec:
         one CUDA block each: the checksum on its own, for the tests and the benchmark."""
         import torch
 
-        if data.data_ptr() % 16:  # the kernel reads whole 16-byte units
-            data = data.clone()
         n = data.numel()
         nseg = max(1, -(-n // seg))
         out = torch.empty(nseg, dtype=torch.int64, device=data.device)

@@ -10,9 +10,10 @@
  *   hist_of                                  lane-column counters in enc_block
  *   build_lengths                            build_lengths (same algorithm, thread 0)
  *   assign_codes                             canonical_ranks (match_any per warp)
- *   encode_stream                            encode_substream (a warp per sub-stream)
+ *   encode_stream                            encode_stream (a thread per sub-stream)
  *   build_lut                                build_lut (same table, built in parallel)
- *   decode_4streams / decode_stream_tail     decode_substream (a thread per sub-stream)
+ *   decode_4streams / decode_stream_tail     decode_merge (a thread per sub-stream, merging as
+ *                                            it goes) and decode_substream (general path)
  *   encode_block / compress_worker           uz_enc_* (a CUDA block per codec block)
  *   decode_block / decompress_worker         uz_dec_* (RAW and DENSE blocks with <= 1 HUFF
  *                                            plane) and uz_dec_general_* (every block kind)
@@ -112,14 +113,15 @@ __device__ __forceinline__ u64 uzh_word(u32 w, u64 off) {
     return (u64)w * (uzh_key((u32)(off >> 4)) | (u32)(2 * ((off >> 2) & 3) + 1));
 }
 
-/* Sum over the CUDA block; every thread gets the total. `red`: NW words of shared memory. */
+/* Sum over the CUDA block (any size, a multiple of 32 up to NT); every thread gets the
+ * total. `red`: NW words of shared memory. */
 __device__ u64 block_sum(u64 v, u64 *red) {
     for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     __syncthreads(); /* red may still be read from a previous call */
     if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
     __syncthreads();
     u64 t = 0;
-    for (int i = 0; i < NW; i++) t += red[i];
+    for (u32 i = 0; i < blockDim.x / 32; i++) t += red[i];
     return t;
 }
 
@@ -284,8 +286,9 @@ struct CodeTables {
     u32 keys[256];     /* encoder: (count << 8 | symbol) of the used symbols, ascending */
     u32 first[MAX_CODE_LEN + 2], limit[MAX_CODE_LEN + 2], offset[MAX_CODE_LEN + 2], lcount[MAX_CODE_LEN + 2];
     u32 tab[256];      /* encoder: bit-reversed code | length << 16 */
-    u16 wcnt[NW][MAX_CODE_LEN + 1];
+    u16 ccnt[8][MAX_CODE_LEN + 1]; /* symbols of each length in each chunk of 32 symbols */
     u8 len[256];
+    u8 rank[256];      /* a symbol's rank among those of its length, by value */
     u8 sym_at[256];    /* symbols in canonical order: by length, then value */
 };
 
@@ -294,7 +297,7 @@ struct CodeTables {
  * then deflate's length-limiting repair), so the same lengths. Call with all NT threads;
  * keys[] holds the n used symbols sorted, len[] is zero. Writes len[] and lcount[].
  *   - the merge is sequential (thread 0) but keeps both queue heads in registers;
- *   - depths come from pointer doubling over the parent links (all threads, 9 rounds),
+ *   - depths come from pointer doubling over the parent links (all threads, log2 rounds),
  *     where a sequential pass over the 2n - 1 nodes was a chain of shared-memory loads;
  *   - each leaf finds its length from the per-length counts (all threads). */
 __device__ void build_lengths(CodeTables &ct, int n, u32 *w, u16 *up, u32 *depth, u32 *count) {
@@ -332,7 +335,8 @@ __device__ void build_lengths(CodeTables &ct, int n, u32 *w, u16 *up, u32 *depth
     u32 d = tid < nodes && tid != root ? 1u : 0u, a = tid < nodes ? up[tid] : 0u;
     if (tid < nodes) depth[tid] = d;
     __syncthreads();
-    for (int round = 0; round < 9; round++) { /* depth = hops to the root: d += d[a], a = a[a] */
+    const int rounds = 32 - __clz(nodes); /* 2^rounds > every depth */
+    for (int round = 0; round < rounds; round++) { /* depth = hops to the root: d += d[a], a = a[a] */
         u32 nd = 0, na = 0;
         if (tid < nodes) {
             nd = d + depth[a];
@@ -374,12 +378,13 @@ __device__ void build_lengths(CodeTables &ct, int n, u32 *w, u16 *up, u32 *depth
     __syncthreads();
 }
 
-/* Per-length counts of len[] (all threads). */
+/* Per-length counts of len[] (all threads, any block size). */
 __device__ void count_lengths(CodeTables &ct) {
-    const int tid = threadIdx.x;
+    const u32 tid = threadIdx.x;
     if (tid <= MAX_CODE_LEN) ct.lcount[tid] = 0;
     __syncthreads();
-    if (tid < 256 && ct.len[tid]) atomicAdd(&ct.lcount[ct.len[tid]], 1u);
+    for (u32 s = tid; s < 256; s += blockDim.x)
+        if (ct.len[s]) atomicAdd(&ct.lcount[ct.len[s]], 1u);
     __syncthreads();
 }
 
@@ -400,24 +405,27 @@ __device__ bool canonical_bounds(CodeTables &ct) {
     return kraft <= LUT_SIZE;
 }
 
-/* Every thread s < 256 with a code: its rank among the symbols of its length in value
- * order, i.e. its code is first[len] + rank (cpu_codec.c's assign_codes, in parallel).
- * Call with all NT threads; canonical_bounds must have run. */
-__device__ u32 canonical_rank(CodeTables &ct) {
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    u32 l = 0, rank = 0;
-    if (tid < 256) {
-        l = ct.len[tid];
-        if (lane <= MAX_CODE_LEN) ct.wcnt[warp][lane] = 0;
+/* ct.rank[s]: symbol s's rank among the symbols of its length in value order, i.e. its code
+ * is first[len] + rank (cpu_codec.c's assign_codes, in parallel: match_any per chunk of 32
+ * symbols, then the counts of the chunks before). All threads, any block size. */
+__device__ void canonical_ranks(CodeTables &ct) {
+    const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
+    for (u32 c = warp; c < 8; c += nwarps) {
+        const u32 s = 32 * c + lane, l = ct.len[s];
+        if (lane <= MAX_CODE_LEN) ct.ccnt[c][lane] = 0;
         __syncwarp();
         u32 peers = __match_any_sync(0xffffffffu, l);
-        rank = __popc(peers & lanemask_lt());
-        if (lane == __ffs(peers) - 1) ct.wcnt[warp][l] = (u16)__popc(peers);
+        ct.rank[s] = (u8)__popc(peers & lanemask_lt());
+        if (lane == __ffs(peers) - 1) ct.ccnt[c][l] = (u16)__popc(peers);
+        __syncwarp();
     }
     __syncthreads();
-    if (tid < 256)
-        for (int w = 0; w < warp; w++) rank += ct.wcnt[w][l];
-    return rank;
+    for (u32 s = tid; s < 256; s += blockDim.x) {
+        u32 l = ct.len[s], r = ct.rank[s];
+        for (u32 c = 0; c < s / 32; c++) r += ct.ccnt[c][l];
+        ct.rank[s] = (u8)r;
+    }
+    __syncthreads();
 }
 
 /* ---- decoding tables (cpu_codec.c's build_lut) ---- */
@@ -430,18 +438,19 @@ __device__ u32 canonical_rank(CodeTables &ct) {
  * symbol and consume nothing, as on the CPU. Call with all threads; len[] set; returns false
  * (for every thread) if the lengths over-subscribe the code space. */
 __device__ bool build_lut(CodeTables &ct, u32 *lut, u16 *single, u32 *flag) {
-    const int tid = threadIdx.x;
+    const u32 tid = threadIdx.x;
     count_lengths(ct);
     if (tid == 0) *flag = canonical_bounds(ct) ? 1u : 0u;
     __syncthreads();
     if (!*flag) return false;
-    u32 rank = canonical_rank(ct);
-    if (tid < 256 && ct.len[tid]) ct.sym_at[ct.offset[ct.len[tid]] + rank] = (u8)tid;
+    canonical_ranks(ct);
+    for (u32 s = tid; s < 256; s += blockDim.x)
+        if (ct.len[s]) ct.sym_at[ct.offset[ct.len[s]] + ct.rank[s]] = (u8)s;
     __syncthreads();
     u32 limit[MAX_CODE_LEN + 1];
     for (int l = 1; l <= MAX_CODE_LEN; l++) limit[l] = ct.limit[l];
-    for (int j = tid; j < LUT_SIZE; j += NT) {
-        u32 v = __brev((u32)j) >> (32 - MAX_CODE_LEN); /* the window, first bit most significant */
+    for (u32 j = tid; j < LUT_SIZE; j += blockDim.x) {
+        u32 v = __brev(j) >> (32 - MAX_CODE_LEN); /* the window, first bit most significant */
         u32 l = MAX_CODE_LEN + 1; /* the shortest length whose codes reach past v */
         for (int m = MAX_CODE_LEN; m >= 1; m--) l = v < limit[m] ? (u32)m : l;
         u16 e = 0;
@@ -449,7 +458,7 @@ __device__ bool build_lut(CodeTables &ct, u32 *lut, u16 *single, u32 *flag) {
         single[j] = e;
     }
     __syncthreads();
-    for (int j = tid; j < LUT_SIZE; j += NT) {
+    for (u32 j = tid; j < LUT_SIZE; j += blockDim.x) {
         u32 e = single[j] & 0xFFu, used = single[j] >> 8, n = 1;
         if (!used) {
             lut[j] = LUT_BAD_BIT | (1u << 25);
@@ -468,31 +477,34 @@ __device__ bool build_lut(CodeTables &ct, u32 *lut, u16 *single, u32 *flag) {
 }
 
 /* Decodes one sub-stream: bytes [start, stop) of a plane's data, `count` symbols into out.
- * The stream is read as aligned words of the frame, none at or past frame_end. Returns true if
- * it ends exactly at its length with valid codes. Like the CPU decoder it takes up to three
- * symbols per lookup while three more fit, then one at a time.
+ * `words` is the data as aligned 32-bit words (the HUFF section staged in shared memory, or
+ * the frame), nwords of them; past them the last one is read again (bits past a stream's end
+ * are never consumed by a valid stream, and a corrupt one fails the length check). Returns
+ * true if the stream ends exactly at its length with valid codes. Like the CPU decoder it takes
+ * up to three symbols per lookup while three more fit, then one at a time.
  *
- * The refill is branch-free and one word ahead: the next word is loaded (predicated) when the
- * current one is taken, and used a few lookups later. A branch around the load made every warp
- * wait for it whenever one of its 32 streams refilled, i.e. at almost every lookup: 350 cycles
- * per lookup instead of ~50 (docs/gpu.md). */
-__device__ bool decode_substream(const u8 *data, u32 start, u32 stop, u32 count, const u32 *lut,
-                                 const u16 *single, u8 *out, const u32 *frame_end) {
-    const u8 *p = data + start;
-    const u32 *wp = (const u32 *)((unsigned long long)p & ~3ull);
-    const u32 sh = 8u * (u32)((unsigned long long)p & 3ull);
-    u32 w0 = wp < frame_end ? wp[0] : 0u, w1 = wp + 1 < frame_end ? wp[1] : 0u;
-    u32 next = wp + 2 < frame_end ? wp[2] : 0u;
+ * The refill is one word ahead: `next` was loaded when the word before it was taken and is
+ * read only when it is needed. A refill that loaded its word itself made a warp wait for the
+ * load whenever one of its 32 streams refilled, i.e. at almost every lookup (350 cycles per
+ * lookup instead of ~60; docs/gpu.md). */
+__device__ bool decode_substream(const u32 *words, u32 nwords, u32 start, u32 stop, u32 count, const u32 *lut,
+                                 const u16 *single, u8 *out) {
+    const u32 last = nwords - 1;
+    u32 wi = start >> 2;
+    const u32 sh = 8u * (start & 3u);
+    u32 w0 = words[wi < last ? wi : last], w1 = words[wi + 1 < last ? wi + 1 : last];
+    u32 next = words[wi + 2 < last ? wi + 2 : last];
     u64 buf = ((u64)w0 | ((u64)w1 << 32)) >> sh;
     u32 nb = 64 - sh, consumed = 0, produced = 0, flags = 0;
-    wp += 3;
-#define UZ_REFILL()                                                       \
-    do {                                                                  \
-        const bool r_ = nb < 32;                                          \
-        buf |= r_ ? (u64)next << nb : 0ull;                               \
-        nb += r_ ? 32u : 0u;                                              \
-        if (r_) next = wp < frame_end ? *wp : 0u; /* predicated load */   \
-        wp += r_ ? 1 : 0;                                                 \
+    wi += 3;
+#define UZ_REFILL()                                     \
+    do {                                                \
+        if (nb < 32) {                                  \
+            buf |= (u64)next << nb;                     \
+            nb += 32;                                   \
+            next = words[wi < last ? wi : last];        \
+            wi++;                                       \
+        }                                               \
     } while (0)
     while (produced + 3 <= count) {
         UZ_REFILL();
@@ -509,10 +521,10 @@ __device__ bool decode_substream(const u8 *data, u32 start, u32 stop, u32 count,
     }
     while (produced < count) {
         UZ_REFILL();
-        u32 s = single[buf & (LUT_SIZE - 1)], l = s >> 8;
+        u32 sy = single[buf & (LUT_SIZE - 1)], l = sy >> 8;
         flags |= l ? 0u : LUT_BAD_BIT;
         l = l ? l : 1u; /* an invalid code ends the stream as corrupt; keep the loop finite */
-        out[produced++] = (u8)s;
+        out[produced++] = (u8)sy;
         buf >>= l;
         nb -= l;
         consumed += l;
@@ -586,12 +598,11 @@ __device__ u32 parse_planes(const u8 *h, u32 hlen, u32 len, u32 off, int np, u32
     return align16(off) == len ? 0u : (u32)E_SIZE;
 }
 
-/* Code lengths of a parsed HUFF plane into ct.len (threads < 256; call with all threads). */
+/* Code lengths of a parsed HUFF plane into ct.len (all threads, any block size). */
 __device__ void load_lengths(CodeTables &ct, const u8 *h, const PlaneDesc &p) {
-    const int s = threadIdx.x;
-    if (s < 256) {
+    for (u32 s = threadIdx.x; s < 256; s += blockDim.x) {
         u32 l = 0;
-        if ((u32)s >= p.lo && (u32)s <= p.lo + p.span) {
+        if (s >= p.lo && s <= p.lo + p.span) {
             u32 i = s - p.lo;
             l = (h[p.len_off + i / 2] >> (4 * (i & 1))) & 15u;
         }
@@ -723,15 +734,17 @@ __device__ __forceinline__ void load_chunk(const u8 *in, u32 c, u32 nbytes, uint
     }
 }
 
-/* The code bits of symbols E[s0, s0 + cnt): lengths from a 256-entry table. Runs of a
- * multiple of 4 symbols are read a word at a time, so the lookups are independent loads
- * instead of a chain of byte load -> table load. */
+/* The code bits of symbols E[s0, s0 + cnt): lengths from a 256-entry table; the symbols are
+ * read 16 (or 4) at a time so the lookups are independent loads. */
 __device__ __forceinline__ u32 run_bits(const u8 *E, u32 s0, u32 cnt, const u8 *len) {
     u32 bits = 0;
-    if ((cnt & 3) == 0 && (s0 & 3) == 0) {
-        for (u32 i = 0; i < cnt; i += 4) {
-            u32 w = *(const u32 *)(E + s0 + i);
-            bits += len[w & 0xFF] + len[(w >> 8) & 0xFF] + len[(w >> 16) & 0xFF] + len[w >> 24];
+    if ((cnt & 15) == 0 && (s0 & 15) == 0) {
+        for (u32 i = 0; i < cnt; i += 16) {
+            const uint4 v = *(const uint4 *)(E + s0 + i);
+            const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int q = 0; q < 4; q++)
+                bits += len[w[q] & 0xFF] + len[(w[q] >> 8) & 0xFF] + len[(w[q] >> 16) & 0xFF] + len[w[q] >> 24];
         }
     } else {
         for (u32 i = 0; i < cnt; i++) bits += len[E[s0 + i]];
@@ -739,19 +752,27 @@ __device__ __forceinline__ u32 run_bits(const u8 *E, u32 s0, u32 cnt, const u8 *
     return bits;
 }
 
-__device__ __forceinline__ void put_code(u32 t, u64 &acc, u32 &nacc, u32 *wb32, u32 &wi) {
+/* Appends a code (t: bits | length << 16) to a lane's bit accumulator and stores each full
+ * word. Words strictly inside the lane's run are the lane's alone: a plain store, which the
+ * compiler predicates. The run's first word is shared with the lane before: it is kept in
+ * `head` and OR-ed in at the end, like the last one. (A branch around an atomicOr per full word
+ * was a third of the encoder's instructions, with every lane waiting for every flush.) */
+__device__ __forceinline__ void put_code(u32 t, u64 &acc, u32 &nacc, u32 *wb32, u32 &wi, u32 &head, bool &started) {
     acc |= (u64)(t & 0xFFFFu) << nacc;
     nacc += t >> 16;
-    if (nacc >= 32) {
-        atomicOr(&wb32[wi++], (u32)acc);
-        acc >>= 32;
-        nacc -= 32;
-    }
+    const bool full = nacc >= 32;
+    const u32 lo = (u32)acc;
+    if (full && started) wb32[wi] = lo;
+    head = full && !started ? lo : head;
+    started = started || full;
+    wi += full ? 1u : 0u;
+    acc = full ? acc >> 32 : acc;
+    nacc = full ? nacc - 32 : nacc;
 }
 
 /* Encodes the symbols [s0, s0 + cnt) of each lane of a warp as one sub-stream (LSB first, as
- * cpu_codec.c's encode_stream) into the warp's buffer: lanes take consecutive runs, a warp
- * scan of their bit counts places each run, and runs meet in shared words through atomicOr. */
+ * cpu_codec.c's encode_stream) into the warp's buffer: lanes take consecutive runs and a warp
+ * scan of their bit counts places each run. */
 __device__ void encode_substream(const u8 *E, u32 s0, u32 cnt, const CodeTables &ct, u32 *wb32, u32 nbytes) {
     const int lane = threadIdx.x & 31;
     u32 bits = run_bits(E, s0, cnt, ct.len);
@@ -762,36 +783,45 @@ __device__ void encode_substream(const u8 *E, u32 s0, u32 cnt, const CodeTables 
     }
     for (u32 i = lane; i < (nbytes + 7) / 4; i += 32) wb32[i] = 0;
     __syncwarp();
-    u32 off = incl - bits, nacc = off & 31, wi = off >> 5;
+    const u32 off = incl - bits;
+    u32 nacc = off & 31, wi = off >> 5, head = 0;
+    bool started = false;
     u64 acc = 0;
-    if ((cnt & 3) == 0 && (s0 & 3) == 0) {
-        for (u32 i = 0; i < cnt; i += 4) {
-            u32 w = *(const u32 *)(E + s0 + i);
-            u32 t0 = ct.tab[w & 0xFF], t1 = ct.tab[(w >> 8) & 0xFF], t2 = ct.tab[(w >> 16) & 0xFF], t3 = ct.tab[w >> 24];
-            put_code(t0, acc, nacc, wb32, wi);
-            put_code(t1, acc, nacc, wb32, wi);
-            put_code(t2, acc, nacc, wb32, wi);
-            put_code(t3, acc, nacc, wb32, wi);
+    if ((cnt & 15) == 0 && (s0 & 15) == 0) {
+        for (u32 i = 0; i < cnt; i += 16) {
+            const uint4 v = *(const uint4 *)(E + s0 + i);
+            const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                u32 t0 = ct.tab[w[q] & 0xFF], t1 = ct.tab[(w[q] >> 8) & 0xFF], t2 = ct.tab[(w[q] >> 16) & 0xFF],
+                    t3 = ct.tab[w[q] >> 24];
+                put_code(t0, acc, nacc, wb32, wi, head, started);
+                put_code(t1, acc, nacc, wb32, wi, head, started);
+                put_code(t2, acc, nacc, wb32, wi, head, started);
+                put_code(t3, acc, nacc, wb32, wi, head, started);
+            }
         }
     } else {
-        for (u32 i = 0; i < cnt; i++) put_code(ct.tab[E[s0 + i]], acc, nacc, wb32, wi);
+        for (u32 i = 0; i < cnt; i++) put_code(ct.tab[E[s0 + i]], acc, nacc, wb32, wi, head, started);
     }
+    __syncwarp(); /* every lane's own words are in before the shared ones are OR-ed */
+    if (started) atomicOr(&wb32[off >> 5], head);
     if (nacc) atomicOr(&wb32[wi], (u32)acc);
     __syncwarp();
 }
 
 /* One codec block per CUDA block (docs/gpu.md, "Encoder"). Shared memory: the entropy
- * plane's symbols (block_elems bytes), NW warp buffers (the histogram's counters first),
- * then EncShared; cuda.py's enc_smem() computes the size. */
+ * plane's symbols (block_elems bytes), NW warp buffers (the histogram's per-lane counters
+ * first), then EncShared; cuda.py computes the size. */
 template <class L>
 __device__ void enc_block(const u8 *src, u64 numel, u32 be, u32 S, u8 *out, u64 table_off, u64 payload_off,
                           u32 nblocks, u64 *state, u64 *size_out, const HeaderWords hw) {
     UZ_DYN_SMEM(smem);
     u8 *E = smem;
     u8 *wbufs = smem + be;
+    u32 *hist32 = (u32 *)wbufs; /* 128 words (two u16 counters each) x 32 lanes */
     EncShared &sm = *(EncShared *)(wbufs + NW * WBUF_BYTES);
     CodeTables &ct = sm.ct;
-    u32 *hist32 = (u32 *)wbufs; /* 128 words (two u16 counters each) x 32 lanes */
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     PHASE_START();
 
@@ -814,12 +844,14 @@ __device__ void enc_block(const u8 *src, u64 numel, u32 be, u32 S, u8 *out, u64 
     /* 1. read the block (two chunks in flight per thread): its hash, its entropy plane into
      *    E, the plane's histogram in per-lane counters (one bank per lane: no conflicts) */
     u64 h_orig = 0, h_pay = 0;
-    for (u32 c0 = tid; c0 < nchunks; c0 += 2 * NT) {
-        uint4 v[2][L::ITEM];
-        load_chunk<L::ITEM>(in, c0, nbytes, v[0]);
-        if (c0 + NT < nchunks) load_chunk<L::ITEM>(in, c0 + NT, nbytes, v[1]);
+    constexpr int F = L::ITEM > 2 ? 2 : 4; /* chunks in flight per thread, within 64 registers */
+    for (u32 c0 = tid; c0 < nchunks; c0 += F * NT) {
+        uint4 v[F][L::ITEM];
 #pragma unroll
-        for (int h = 0; h < 2; h++) {
+        for (int h = 0; h < F; h++)
+            if (c0 + h * NT < nchunks) load_chunk<L::ITEM>(in, c0 + h * NT, nbytes, v[h]);
+#pragma unroll
+        for (int h = 0; h < F; h++) {
             const u32 c = c0 + h * NT;
             if (c >= nchunks) continue;
 #pragma unroll
@@ -830,12 +862,18 @@ __device__ void enc_block(const u8 *src, u64 numel, u32 be, u32 S, u8 *out, u64 
                 const uint4 sy = pl[hp];
                 *(uint4 *)(E + 16 * c) = sy;
                 const u32 cnt = n - 16 * c < 16 ? n - 16 * c : 16;
+                if (cnt == 16) { /* every chunk but a block's last: no per-symbol branches */
 #pragma unroll
-                for (u32 i = 0; i < 16; i++)
-                    if (i < cnt) {
+                    for (u32 i = 0; i < 16; i++) {
                         u32 sym = byte_of(sy, i);
                         atomicAdd(&hist32[(sym >> 1) * 32 + lane], 1u << (16 * (sym & 1)));
                     }
+                } else {
+                    for (u32 i = 0; i < cnt; i++) {
+                        u32 sym = byte_of(sy, i);
+                        atomicAdd(&hist32[(sym >> 1) * 32 + lane], 1u << (16 * (sym & 1)));
+                    }
+                }
             }
         }
     }
@@ -884,11 +922,11 @@ __device__ void enc_block(const u8 *src, u64 numel, u32 be, u32 S, u8 *out, u64 
             PHASE(0, 2);
             if (tid == 0) canonical_bounds(ct);
             __syncthreads();
-            u32 rank = canonical_rank(ct);
+            canonical_ranks(ct);
             u32 bits = 0;
             if (tid < 256) {
                 u32 l = ct.len[tid];
-                if (l) ct.tab[tid] = (__brev(ct.first[l] + rank) >> (32 - l)) | (l << 16);
+                if (l) ct.tab[tid] = (__brev(ct.first[l] + ct.rank[tid]) >> (32 - l)) | (l << 16);
                 bits = ct.hist[tid] * l;
             }
             u64 total_bits = block_sum(bits, sm.red);
@@ -915,12 +953,16 @@ __device__ void enc_block(const u8 *src, u64 numel, u32 be, u32 S, u8 *out, u64 
     }
     __syncthreads();
     const u32 pmode = sm.plane_mode, k = sm.k;
-    const u32 per = S / 32;
     if (pmode == PLANE_HUFF) {
-        for (u32 j = warp; j < k; j += NW) {
-            u32 s0 = j * S + lane * per;
-            u32 cnt = s0 < n ? (n - s0 < per ? n - s0 : per) : 0u;
-            u32 bits = __reduce_add_sync(0xffffffffu, run_bits(E, s0, cnt, ct.len));
+        for (u32 j = warp; j < k; j += NW) { /* a sum: lanes read interleaved words, no conflicts */
+            const u32 s0 = j * S, cnt = n - s0 < S ? n - s0 : S;
+            u32 bits = 0;
+            for (u32 w = lane; 4 * w < cnt; w += 32) {
+                u32 v = *(const u32 *)(E + s0 + 4 * w), m = cnt - 4 * w;
+                bits += ct.len[v & 0xFF] + (m > 1 ? ct.len[(v >> 8) & 0xFF] : 0u) +
+                        (m > 2 ? ct.len[(v >> 16) & 0xFF] : 0u) + (m > 3 ? ct.len[v >> 24] : 0u);
+            }
+            bits = __reduce_add_sync(0xffffffffu, bits);
             if (lane == 0) sm.sbytes[j] = (bits + 7) / 8;
         }
         __syncthreads();
@@ -995,12 +1037,13 @@ __device__ void enc_block(const u8 *src, u64 numel, u32 be, u32 S, u8 *out, u64 
             *(uint4 *)(dst + 16 * u) = v;
             h_pay += uzh_chunk(v, u);
         }
-        for (u32 c0 = tid; c0 < nchunks; c0 += 2 * NT) { /* RAW planes: the block again, from L2 */
-            uint4 v[2][L::ITEM];
-            load_chunk<L::ITEM>(in, c0, nbytes, v[0]);
-            if (c0 + NT < nchunks) load_chunk<L::ITEM>(in, c0 + NT, nbytes, v[1]);
+        for (u32 c0 = tid; c0 < nchunks; c0 += F * NT) { /* RAW planes: the block again, from L2 */
+            uint4 v[F][L::ITEM];
 #pragma unroll
-            for (int h = 0; h < 2; h++) {
+            for (int h = 0; h < F; h++)
+                if (c0 + h * NT < nchunks) load_chunk<L::ITEM>(in, c0 + h * NT, nbytes, v[h]);
+#pragma unroll
+            for (int h = 0; h < F; h++) {
                 const u32 c = c0 + h * NT;
                 if (c >= nchunks) continue;
                 uint4 pl[L::NPLANES];
@@ -1013,9 +1056,10 @@ __device__ void enc_block(const u8 *src, u64 numel, u32 be, u32 S, u8 *out, u64 
             }
         }
         PHASE(0, 7);
-        if (huff) {
+        if (huff) { /* a warp per sub-stream, each copied out whole */
             u8 *sec = dst + sm.data_off[hp];
             u32 *wb32 = (u32 *)(wbufs + warp * WBUF_BYTES);
+            const u32 per = S / 32;
             for (u32 j = warp; j < k; j += NW) {
                 u32 start = sm.sbytes[j], stop = j + 1 < k ? sm.sbytes[j + 1] : sm.huff_total;
                 u32 s0 = j * S + lane * per;
@@ -1055,7 +1099,7 @@ __device__ void enc_block(const u8 *src, u64 numel, u32 be, u32 S, u8 *out, u64 
 
 /* ---- decoder, fast path: RAW blocks and DENSE blocks with at most one HUFF plane ---- */
 
-struct DecShared {
+struct __align__(16) DecShared {
     CodeTables ct;
     PlaneDesc pd[17];
     u64 red[NW];
@@ -1065,24 +1109,32 @@ struct DecShared {
 };
 
 /* Shared memory: the decoded symbols (k sub-streams, S + 16 bytes apart so that threads
- * storing at the same offset of their streams hit different banks), the payload's first
- * WIN_BYTES, the decode tables, then DecShared; cuda.py's dec_smem() computes the size. */
+ * storing at the same offset of their streams hit different banks), the decode tables, the
+ * payload's first WIN_BYTES, DecShared, then a copy of the HUFF plane's data (sect_bytes:
+ * what fits beside the rest with two CUDA blocks per SM; a larger section is read from the
+ * frame, correct but slower). cuda.py computes the sizes.
+ *
+ * Threads j < k decode sub-stream j into the symbol buffer while the others hash the RAW
+ * planes (bringing them from DRAM into L2); then all merge 16 elements at a time, consecutive
+ * threads on consecutive elements, so RAW-plane loads and output stores are coalesced. (A
+ * version where each decoding thread merged its own sub-stream's elements needed no symbol
+ * buffer, but its loads and stores were 1 KB apart across a warp: twice as slow at 1 GiB.) */
 template <class L>
 __device__ void dec_block_fast(const u8 *frame, u64 payload_off, u64 payload_len, u64 table_off, u64 numel, u32 be,
-                               u32 S, u32 nblocks, u8 *out, u64 *err, u32 sym_bytes) {
+                               u32 S, u32 nblocks, u8 *out, u64 *err, u32 sym_bytes, u32 sect_bytes) {
     UZ_DYN_SMEM(smem);
     u8 *sym = smem;
-    u8 *win = smem + sym_bytes;
-    u32 *lut = (u32 *)(win + WIN_BYTES);
+    u32 *lut = (u32 *)(smem + sym_bytes);
     u16 *single = (u16 *)(lut + LUT_SIZE);
-    DecShared &sm = *(DecShared *)(single + LUT_SIZE);
-    const int tid = threadIdx.x;
+    u8 *win = (u8 *)(single + LUT_SIZE);
+    DecShared &sm = *(DecShared *)(win + WIN_BYTES);
+    u8 *sect = (u8 *)(&sm + 1);
+    const u32 tid = threadIdx.x;
     const u32 b = blockIdx.x;
     const u64 first = (u64)b * be;
     const u32 n = (u32)(numel - first < be ? numel - first : be);
     const u32 nbytes = n * L::ITEM, nchunks = (n + 15) / 16;
     const u8 *payload = frame + payload_off;
-    const u32 *frame_end = (const u32 *)(payload + payload_len);
     u8 *dst = out + first * L::ITEM;
     PHASE_START();
 
@@ -1135,15 +1187,18 @@ __device__ void dec_block_fast(const u8 *frame, u64 payload_off, u64 payload_len
         }
     } else {
         const u32 hp = sm.hp;
-        /* the payload but its RAW planes (hashed in the merge): the headers' units and the HUFF
-         * plane's data, read first, which also brings the sub-streams into the caches */
+        /* the payload but its RAW planes: the headers' units and the HUFF plane's data, which is
+         * copied into shared memory on the way when it fits (refills then take ~30 cycles) */
         const u32 hunits = align16(sm.hdr_end) / 16;
         const u32 hu = hp != 255 ? align16(sm.pd[hp].size) / 16 : 0u, hoff = hp != 255 ? sm.pd[hp].data_off : 0u;
+        const bool staged = 16 * hu <= sect_bytes;
         for (u32 u = tid; u < hunits + hu; u += NT) {
             u32 at = u < hunits ? 16 * u : hoff + 16 * (u - hunits);
             uint4 v = at + 16 <= wlen ? *(const uint4 *)(win + at) : *(const uint4 *)(blk + at);
             h_pay += uzh_chunk(v, at >> 4);
+            if (u >= hunits && staged) ((uint4 *)sect)[u - hunits] = v;
         }
+        u32 k = 0;
         if (hp != 255) {
             load_lengths(sm.ct, win, sm.pd[hp]);
             if (!build_lut(sm.ct, lut, single, &sm.flag)) {
@@ -1152,13 +1207,17 @@ __device__ void dec_block_fast(const u8 *frame, u64 payload_off, u64 payload_len
             }
             PHASE(1, 3);
             const PlaneDesc &p = sm.pd[hp];
-            for (u32 j = tid; j < p.k; j += NT) {
+            k = p.k;
+            /* a 4-byte multiple: frames are whole 16-byte units, so these words stay inside */
+            const u32 *words = staged ? (const u32 *)sect : (const u32 *)(blk + p.data_off);
+            const u32 nwords = staged ? 4 * hu : (u32)((payload_len - sm.start - p.data_off) / 4);
+            for (u32 j = tid; j < k; j += NT) {
                 u32 start = j ? load_u16(win + p.ends_off + 2 * j - 2) : 0u, stop = load_u16(win + p.ends_off + 2 * j);
                 u32 code = 0;
                 if (stop < start)
                     code = E_ENDS_BACK;
-                else if (!decode_substream(blk + p.data_off, start, stop, p.count - j * S < S ? p.count - j * S : S,
-                                           lut, single, sym + j * (S + 16), frame_end))
+                else if (!decode_substream(words, nwords, start, stop, p.count - j * S < S ? p.count - j * S : S, lut,
+                                           single, sym + j * (S + 16)))
                     code = E_STREAM;
                 if (code) {
                     report(err, b, code);
@@ -1166,11 +1225,29 @@ __device__ void dec_block_fast(const u8 *frame, u64 payload_off, u64 payload_len
                 }
             }
         }
+        /* threads without a sub-stream hash the RAW planes meanwhile, two chunks in flight */
+        const u32 helpers = k < NT ? NT - k : 0u;
+        if (helpers && tid >= k)
+            for (u32 c = tid - k; c < nchunks; c += 2 * helpers) {
+                uint4 v[2][L::NPLANES];
+#pragma unroll
+                for (int h = 0; h < 2; h++)
+#pragma unroll
+                    for (int q = 0; q < L::NPLANES; q++)
+                        if (sm.pd[q].mode == PLANE_RAW && c + h * helpers < nchunks)
+                            v[h][q] = *(const uint4 *)(blk + sm.pd[q].data_off + 16 * (c + h * helpers));
+#pragma unroll
+                for (int h = 0; h < 2; h++)
+#pragma unroll
+                    for (int q = 0; q < L::NPLANES; q++)
+                        if (sm.pd[q].mode == PLANE_RAW && c + h * helpers < nchunks)
+                            h_pay += uzh_chunk(v[h][q], (sm.pd[q].data_off >> 4) + c + h * helpers);
+            }
         __syncthreads();
         if (sm.bad) return;
         PHASE(1, 4);
-        constexpr int F = L::NPLANES > 2 ? 1 : 2; /* fp32 keeps one: 64 registers, no spills */
-        for (u32 c0 = tid; c0 < nchunks; c0 += F * NT) { /* F chunks in flight per thread */
+        constexpr int F = L::NPLANES > 2 ? 1 : 2; /* chunks in flight; fp32 keeps one: 64 registers */
+        for (u32 c0 = tid; c0 < nchunks; c0 += F * NT) {
             uint4 pl[F][L::NPLANES];
 #pragma unroll
             for (int h = 0; h < F; h++) {
@@ -1194,9 +1271,10 @@ __device__ void dec_block_fast(const u8 *frame, u64 payload_off, u64 payload_len
                 const u32 c = c0 + h * NT;
                 if (c >= nchunks) continue;
                 uint4 o[L::ITEM];
+                if (!helpers)
 #pragma unroll
-                for (int q = 0; q < L::NPLANES; q++)
-                    if (sm.pd[q].mode == PLANE_RAW) h_pay += uzh_chunk(pl[h][q], (sm.pd[q].data_off >> 4) + c);
+                    for (int q = 0; q < L::NPLANES; q++)
+                        if (sm.pd[q].mode == PLANE_RAW) h_pay += uzh_chunk(pl[h][q], (sm.pd[q].data_off >> 4) + c);
                 L::merge(pl[h], o);
 #pragma unroll
                 for (int i = 0; i < L::ITEM; i++) {
@@ -1210,7 +1288,6 @@ __device__ void dec_block_fast(const u8 *frame, u64 payload_off, u64 payload_len
         }
         PHASE(1, 5);
     }
-    PHASE(1, 6);
     h_orig = block_sum(h_orig, sm.red);
     h_pay = block_sum(h_pay, sm.red);
     if (tid == 0) {
@@ -1243,7 +1320,6 @@ __device__ void dec_block_general(const u8 *frame, u64 payload_off, u64 payload_
     DecShared &sm = *(DecShared *)(single + LUT_SIZE);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const u8 *payload = frame + payload_off;
-    const u32 *frame_end = (const u32 *)(payload + payload_len);
     u8 *slot = scratch + (u64)blockIdx.x * (1 + L::NPLANES) * plane_stride;
 
     for (u32 b = blockIdx.x; b < nblocks; b += gridDim.x) {
@@ -1322,8 +1398,10 @@ __device__ void dec_block_general(const u8 *frame, u64 payload_off, u64 payload_
                     u32 code = 0;
                     if (stop < start)
                         code = E_ENDS_BACK;
-                    else if (!decode_substream(blk + p.data_off, start, stop, p.count - j * S < S ? p.count - j * S : S,
-                                               lut, single, slot + q * plane_stride + j * S, frame_end))
+                    else if (!decode_substream((const u32 *)(blk + p.data_off),
+                                               (u32)((payload_len - sm.start - p.data_off) / 4), start, stop,
+                                               p.count - j * S < S ? p.count - j * S : S, lut, single,
+                                               slot + q * plane_stride + j * S))
                         code = E_STREAM;
                     if (code) {
                         report(err, b, code);
@@ -1419,9 +1497,10 @@ extern "C" __global__ void __launch_bounds__(NT, 2) uz_enc_b8(UZ_ENC_ARGS) UZ_EN
 extern "C" __global__ void __launch_bounds__(NT, 2) uz_enc_b16(UZ_ENC_ARGS) UZ_ENC_BODY(LayoutBytes<16>)
 
 #define UZ_DEC_KERNELS(NAME, LAYOUT)                                                                       \
-    extern "C" __global__ void __launch_bounds__(NT, 2) uz_dec_##NAME(UZ_DEC_ARGS, u32 sym_bytes) {           \
+    extern "C" __global__ void __launch_bounds__(NT, 2) uz_dec_##NAME(UZ_DEC_ARGS, u32 sym_bytes,         \
+                                                                         u32 sect_bytes) {                 \
         dec_block_fast<LAYOUT>(frame, payload_off, payload_len, table_off, numel, block_elems, substream,  \
-                               nblocks, out, err, sym_bytes);                                              \
+                               nblocks, out, err, sym_bytes, sect_bytes);                                  \
     }                                                                                                      \
     extern "C" __global__ void __launch_bounds__(NT) uz_dec_general_##NAME(UZ_DEC_GENERAL_ARGS) {          \
         dec_block_general<LAYOUT>(frame, payload_off, payload_len, table_off, numel, block_elems, substream, \
@@ -1443,9 +1522,19 @@ extern "C" __global__ void __launch_bounds__(NT) uz_hash_segs(const u8 *data, u6
     const u64 s0 = (u64)blockIdx.x * seg;
     const u64 len = n - s0 < seg ? n - s0 : seg;
     u64 h = 0;
+    const bool aligned = ((unsigned long long)(data + s0) & 15) == 0; /* segments may start anywhere */
     for (u64 u = threadIdx.x; u < (len + 15) / 16; u += NT) {
         u64 o = 16 * u;
-        h += uzh_chunk(load16_partial(data + s0 + o, len - o < 16 ? (u32)(len - o) : 16u), (u32)u);
+        u32 valid = len - o < 16 ? (u32)(len - o) : 16u;
+        uint4 v;
+        if (aligned) {
+            v = load16_partial(data + s0 + o, valid);
+        } else { /* bytes: only 16-byte aligned vectors can be loaded whole */
+            u32 w[4] = {0u, 0u, 0u, 0u};
+            for (u32 i = 0; i < valid; i++) w[i >> 2] |= (u32)data[s0 + o + i] << (8 * (i & 3));
+            v = make_uint4(w[0], w[1], w[2], w[3]);
+        }
+        h += uzh_chunk(v, (u32)u);
     }
     h = block_sum(h, red);
     if (threadIdx.x == 0) out[blockIdx.x] = h + len * UZH_LENGTH_MUL;
