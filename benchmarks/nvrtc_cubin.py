@@ -1,9 +1,10 @@
 """Compile uzip_serve/kernels/cuda_codec.cu to an sm_90 cubin with NVRTC, on a machine without
 a GPU, and print ptxas's register and spill report per kernel.
 
-Device time is scarce: compiling here and carrying the cubin saves the ~110 s NVRTC compile of
-every fresh GPU machine (point UZIP_CUDA_CUBIN at it there; cuda.py loads it instead of the
-source). libnvrtc comes from the `nvidia-cuda-nvrtc` wheel (`pip download --no-deps
+Device time is scarce: compiling here and carrying the cubin saves the NVRTC compile of every
+fresh GPU machine (21 s for format v2's kernels; point UZIP_CUDA_CUBIN at it there; cuda.py
+loads it instead of the source). Where nvcc is installed, `nvcc -arch=sm_90 -O3 -std=c++17
+--cubin` makes the same kind of cubin (the -DUZ_PHASES build of docs/gpu.md is made that way). libnvrtc comes from the `nvidia-cuda-nvrtc` wheel (`pip download --no-deps
 nvidia-cuda-nvrtc`, unzip), e.g.:
 
     python -m benchmarks.nvrtc_cubin --nvrtc x/nvidia/cu13/lib/libnvrtc.so.13 --out .gpudata/codec.cubin
@@ -30,7 +31,7 @@ def main(argv=None) -> int:
     if lib.nvrtcCreateProgram(ctypes.byref(prog), SRC.read_bytes(), b"cuda_codec.cu", 0, None, None):
         raise SystemExit("nvrtcCreateProgram failed")
     # the options cuda.py compiles with, plus the target and ptxas's report
-    opts = [b"-std=c++17", b"-DCRC_SLICE=1", f"-arch={args.arch}".encode(), b"--ptxas-options=-v"]
+    opts = [b"-std=c++17", f"-arch={args.arch}".encode(), b"--ptxas-options=-v"]
     opts += [f"-D{d}".encode() for d in args.D]
     rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
     n = ctypes.c_size_t()

@@ -14,7 +14,7 @@ Public API (kept small; everything heavy is imported on first use)::
 
 from uzip_serve.format import FORMAT_VERSION, FrameError
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "FORMAT_VERSION",

@@ -236,7 +236,7 @@ struct LayoutFp32 {
 template <int N>
 struct LayoutBytes {
     enum { ITEM = N, NPLANES = N, HPLANE = N == 1 ? 0 : N == 2 ? 1 : -1 };
-    /* a 16x16 byte transpose, N x 16 bytes each way; N = 1, 2 and 4 have permute versions */
+    /* 16 elements <-> N planes of 16 bytes (a byte transpose); N = 1 and 2 with byte permutes */
     __device__ static void split(const uint4 *in, uint4 *pl) {
         if (N == 1) {
             pl[0] = in[0];
