@@ -47,6 +47,7 @@ from pathlib import Path
 
 from benchmarks import machine
 from benchmarks import multigpu as mg
+from benchmarks.rank_exit import release_process_groups
 
 ME = [sys.executable, "-m", "benchmarks.allreduce_gpu"]
 MODES = ("native", "compressed", "adaptive")  # native: NCCL all_reduce (gloo's on cpu)
@@ -473,6 +474,7 @@ def main(argv=None) -> int:
         os.environ[mg.DATA_ENV] = str(Path(a.data_file).resolve())  # the ranks inherit it
     if a.role == "rank":
         rank_main(a)
+        release_process_groups()
         return 0
     return orchestrate(a)
 

@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 from benchmarks import machine
+from benchmarks.rank_exit import release_process_groups
 
 OUT_DIR = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
 ME = [sys.executable, "-m", "benchmarks.allreduce_link"]
@@ -277,6 +278,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if a.role == "rank":
         role_rank(a.rank, a.world, a.master, [int(s) for s in a.sizes.split(",")], a.repeats, a.threads)
+        release_process_groups()
     else:
         run(a.rates.split(","), a.repeats, a.max_mib, a.threads, a.out, a.pin)
     return 0

@@ -53,6 +53,7 @@ from pathlib import Path
 
 from benchmarks import machine
 from benchmarks import multigpu as mg
+from benchmarks.rank_exit import release_process_groups
 
 ME = [sys.executable, "-m", "benchmarks.gpu_weight_push"]
 METHODS = ("uzip", "uzip-raw", "broadcast")
@@ -618,6 +619,7 @@ def main(argv=None) -> int:
     roles = {"receiver": role_receiver, "trainer": role_trainer, "broadcast": role_broadcast}
     if a.role in roles:
         roles[a.role](a)
+        release_process_groups()
         return 0
     return orchestrate(a)
 

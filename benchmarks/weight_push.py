@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from benchmarks import machine
+from benchmarks.rank_exit import release_process_groups
 
 OUT_DIR = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
 ME = [sys.executable, "-m", "benchmarks.weight_push"]
@@ -273,6 +274,7 @@ def main(argv=None) -> int:
         role_trainer(a.coordinator, a.compression, a.repeats)
     elif a.role == "gloo":
         role_gloo(a.rank, a.world, a.master, a.repeats)
+        release_process_groups()
     else:
         run([int(x) for x in a.receivers.split(",")], a.links.split(","), a.repeats, a.out)
     return 0
