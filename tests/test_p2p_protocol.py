@@ -11,7 +11,7 @@ import torch
 
 from uzip_serve.p2p import protocol as proto
 from uzip_serve.p2p import split_send
-from uzip_serve.p2p.adaptive import AdaptivePolicy
+from uzip_serve.p2p.adaptive import AdaptivePolicy, CodecPacer
 from uzip_serve.p2p.config import TransportConfig
 from uzip_serve.p2p.errors import ChecksumError, ProtocolError
 
@@ -275,6 +275,48 @@ def test_adaptive_policy_outcomes_forget_a_cold_start():
         p.observe_transfer(step, 0.0145 if d.compress else 0.0129, compressed=d.compress)
     assert paths[0] and not all(paths), paths  # compression first, raw re-measured early
     assert not any(paths[-4:]), paths  # then raw, which is faster, for good
+
+
+def test_codec_pacer_uses_the_fewest_threads_that_keep_ahead_of_the_link():
+    p = CodecPacer()
+    assert p.threads(8) == 8  # link unknown: every core
+    p.observe_wire(8 << 20, (8 << 20) / 0.125e9)  # 1 Gbit/s
+    assert p.threads(8) == 1  # the prior thread (0.5 GB/s) is 4x the link already
+    p.observe_codec(1 << 20, (1 << 20) / 0.05e9, threads=2)  # a contended 2-thread call: ignored
+    assert p.one_thread.value is None and p.threads(8) == 1
+    p.observe_codec(1 << 20, (1 << 20) / 0.2e9, threads=1)  # a slow machine: 3 x 0.125 / 0.2
+    assert p.threads(8) == 2
+    for _ in range(30):
+        p.observe_wire(64 << 20, (64 << 20) / 1.25e9)  # the link turns out to be 10 Gbit/s
+    assert p.threads(8) == 8 and p.threads(3) == 3 and p.threads(1) == 1
+    p.observe_wire(1000, 1e-3)  # too small to say anything
+    assert p.wire.value == pytest.approx(1.25e9, rel=1e-3)
+
+
+@pytest.mark.parametrize("link_gbps, fixed, expect", [(None, None, 4), (0.125, None, 1), (0.125, 3, 3)])
+def test_transfers_take_the_paced_codec_threads_on_both_sides(monkeypatch, link_gbps, fixed, expect):
+    """The sender's policy and the receiver's pacer each decide; a configured count wins."""
+    monkeypatch.setenv("UZIP_NUM_THREADS", "4")
+    tensors = {"w": (torch.randn(3 << 19) * 0.02).to(torch.bfloat16)}  # 3 MiB: three chunks
+    config = TransportConfig(chunk_bytes=1 << 20, compression="on", codec_threads=fixed)
+    policy, pacer = AdaptivePolicy("on"), CodecPacer()
+    if link_gbps:
+        policy.pacer.observe_wire(8 << 20, (8 << 20) / (link_gbps * 1e9))
+        pacer.observe_wire(8 << 20, (8 << 20) / (link_gbps * 1e9))
+
+    async def main():
+        tx, rx = pair()
+        with ThreadPoolExecutor(2) as pool:
+            return await asyncio.gather(
+                split_send.send_tensors(tx, tensors, config=config, policy=policy, executor=pool),
+                split_send.recv_tensors(rx, config=config, executor=pool, pacer=pacer))
+
+    sent, (got, received) = asyncio.run(main())
+    assert torch.equal(bits(got["w"]), bits(tensors["w"]))
+    assert sent.chunks_compressed == 3 and sent.codec_threads == expect and received.codec_threads == expect
+    # every transfer teaches both sides: the link (end to end) and, at one thread, the codec
+    assert (policy.pacer.one_thread.value is not None) == (expect == 1)
+    assert (pacer.one_thread.value is not None) == (expect == 1)
 
 
 def test_cut_through_relay_forwards_every_chunk_unchanged():

@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import math
 import statistics
 import time
 
@@ -35,6 +36,49 @@ class Ewma:
 
     def add(self, x: float) -> None:
         self.value = x if self.value is None else (1 - self.alpha) * self.value + self.alpha * x
+
+
+class CodecPacer:
+    """How many codec threads one side of a link gives each chunk: the fewest that keep the
+    codec PACE times faster than the link carries bytes, and every core while either speed
+    is unknown.
+
+    One thread compresses real bf16 at about 0.9 GB/s, seven times what a 1 Gbit/s link
+    carries, so more threads only help on fast links. On shared cores they cost: a chunk split
+    over all cores waits for its slowest share, and every preemption (the peer's codec, the
+    kernel's TCP, the model's forward) stalls the whole chunk. Measured on the 2-core VM, a
+    10 MB PP step over 1 Gbit/s: all cores on both sides 0.78-0.80x raw, one thread each
+    0.72-0.73x, one side at one thread 0.76-0.79x (docs/p2p.md).
+
+    Speeds: `wire` is bytes per second the link really carried end to end (raw or compressed
+    transfers alike: a codec that paces the link shows up as a slow link and gets threads);
+    `one_thread` raw bytes per second of single-thread calls only (a share of a call spread
+    over contended cores reads slow, and would keep that call spread), PRIOR_ONE_THREAD until
+    one was measured."""
+
+    PACE = 3.0
+    # Below what one thread of the C codec does on real bf16 here (0.8-1.0 GB/s), so an
+    # unmeasured machine is not held to one thread on a link it cannot keep up with.
+    PRIOR_ONE_THREAD = 0.5e9
+
+    def __init__(self):
+        self.wire = Ewma()
+        self.one_thread = Ewma()
+
+    def threads(self, most: int) -> int:
+        link = self.wire.value
+        if not link or most <= 1:
+            return max(1, most)
+        one = self.one_thread.value or self.PRIOR_ONE_THREAD
+        return max(1, min(most, math.ceil(self.PACE * link / one)))
+
+    def observe_codec(self, raw_bytes: int, seconds: float, threads: int) -> None:
+        if threads == 1 and raw_bytes >= AdaptivePolicy.MIN_BYTES and seconds > 0:
+            self.one_thread.add(raw_bytes / seconds)
+
+    def observe_wire(self, wire_bytes: int, seconds: float) -> None:
+        if wire_bytes >= AdaptivePolicy.MIN_BYTES and seconds > 0:
+            self.wire.add(wire_bytes / seconds)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +109,8 @@ class TransferStats:
     # Receiver, CUDA route: the payload landed in receives posted before the transfer's
     # header arrived (ucx_cuda.PrePost).
     preposted: bool = False
+    # Codec threads per chunk (the most any chunk of this transfer used; 0: no codec call).
+    codec_threads: int = 0
 
     @property
     def ratio(self) -> float:
@@ -114,6 +160,8 @@ class AdaptivePolicy:
         # When the last send on this link completed: a pipelined send queued behind it
         # started using the wire only then.
         self.link_free_at = 0.0
+        # The sender's codec threads per chunk (CodecPacer), when the config leaves them open.
+        self.pacer = CodecPacer()
         # Seconds per raw byte of the last whole transfers, per size class and path:
         # {class: {compressed: deque}}, and how many transfers of each class were observed.
         self.outcomes: dict[int, dict[bool, collections.deque]] = {}

@@ -28,7 +28,8 @@ class TransportConfig:
     pipeline: bool = True
     # Every send/receive must make progress within this many seconds, else TransferTimeout.
     deadline_s: float = 10.0
-    # Codec threads per chunk; None = every core.
+    # Codec threads per chunk; None = paced: the fewest that keep the codec 3x ahead of the
+    # measured link, every core until it is measured (adaptive.CodecPacer).
     codec_threads: int | None = None
     # Upper bounds a receiver enforces on what a peer announces.
     max_manifest_bytes: int = 64 << 20

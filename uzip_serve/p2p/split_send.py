@@ -24,7 +24,7 @@ from uzip_serve.codec import default_threads
 from uzip_serve import format as fmt
 from uzip_serve.kernels import get_backend
 from uzip_serve.p2p import protocol as proto
-from uzip_serve.p2p.adaptive import AdaptivePolicy, TransferStats
+from uzip_serve.p2p.adaptive import AdaptivePolicy, CodecPacer, TransferStats
 from uzip_serve.p2p.config import TransportConfig
 from uzip_serve.p2p.errors import ChecksumError, ProtocolError
 
@@ -173,7 +173,7 @@ async def send_tensors(channel: Channel, tensors, *, config: TransportConfig, po
     flats = [_flat_bytes(t) for _, t in items]
     manifest = proto.encode_manifest(entries)
     stats = TransferStats(raw_bytes=sum(e.nbytes for e in entries), chunks=num_chunks)
-    threads = config.codec_threads or default_threads()
+    cores = default_threads()
     crc32c = get_backend("cpu").crc32c
     cap = fmt.max_compressed_size(config.chunk_bytes, "uint8")
     staging: list[bytearray] = []  # made when the chunk stream starts: bytearray() zero-fills (ms per MiB-scale buffer)
@@ -199,9 +199,13 @@ async def send_tensors(channel: Channel, tensors, *, config: TransportConfig, po
             data = data.cpu()
         if decision.compress:
             buf = staging[k % len(staging)]
+            threads = config.codec_threads or policy.pacer.threads(cores)
             t0 = time.perf_counter()
             n = uz.compress_into(typed, buf, threads=threads)
-            policy.observe_compress(data.numel(), time.perf_counter() - t0)
+            seconds = time.perf_counter() - t0
+            policy.observe_compress(data.numel(), seconds)
+            policy.pacer.observe_codec(data.numel(), seconds, threads)
+            stats.codec_threads = max(stats.codec_threads, threads)
             header = proto.ChunkHeader(k, proto.CODEC_UZIP, data.numel(), n)
             return _Encoded(header, memoryview(buf)[:n], decision)
         header = proto.ChunkHeader(k, proto.CODEC_RAW, data.numel(), data.numel(), crc32c(_host_view(data)))
@@ -266,6 +270,7 @@ async def send_tensors(channel: Channel, tensors, *, config: TransportConfig, po
     if first_posted is not None and stats.wire_bytes >= END_TO_END_SAMPLE:
         # End to end, first chunk posted to the receiver's ack: what the link really carried.
         policy.observe_link(stats.wire_bytes, acked - first_posted, lower_bound=stats.chunks_compressed > 0)
+        policy.pacer.observe_wire(stats.wire_bytes, acked - first_posted)
     if status != proto.ACK_OK:
         raise ProtocolError(f"the receiver rejected the transfer (status {status})")
     stats.seconds = time.perf_counter() - t_start
@@ -348,7 +353,8 @@ def _check_into(into: Mapping[str, torch.Tensor], entries: list[proto.TensorEntr
 async def recv_tensors(channel: Channel, *, config: TransportConfig, executor: Executor,
                        into: Mapping[str, torch.Tensor] | None = None,
                        forward: Sequence[Channel] = (), ipc=None, stream=None,
-                       device=None, cuda_route=None, prepost=None) -> tuple[dict[str, torch.Tensor], TransferStats]:
+                       device=None, cuda_route=None, prepost=None,
+                       pacer: CodecPacer | None = None) -> tuple[dict[str, torch.Tensor], TransferStats]:
     """Receives one transfer. Tensors are returned only once every chunk arrived and
     passed its checksum; on any failure nothing is returned (an `into` tensor may then
     hold partial data) and the sender is told why, where the connection still allows.
@@ -362,11 +368,13 @@ async def recv_tensors(channel: Channel, *, config: TransportConfig, executor: E
     `cuda_route` (a ucx_cuda.Route, where this process's UCX carries CUDA memory) accepts
     the sender's CUDA route into CUDA destinations; `ipc` (a cuda_ipc.Importer) its CUDA IPC
     offer. Both order their work after `stream`'s (default: the device's current stream).
-    `prepost` (a ucx_cuda.PrePost): the route's receives, posted early for the layout expected."""
+    `prepost` (a ucx_cuda.PrePost): the route's receives, posted early for the layout expected.
+    `pacer`: this side's codec threads per chunk, kept across the transfers of one endpoint
+    (config.codec_threads, where set, wins)."""
     relay = _Relay(forward)
     try:
         result = await _recv_tensors(channel, config, executor, into, relay, ipc=ipc, stream=stream, device=device,
-                                     cuda_route=cuda_route, prepost=prepost)
+                                     cuda_route=cuda_route, prepost=prepost, pacer=pacer or CodecPacer())
     except (ChecksumError, ProtocolError) as e:
         status = proto.ACK_CHECKSUM if isinstance(e, ChecksumError) else proto.ACK_PROTOCOL
         try:
@@ -426,7 +434,7 @@ class _Relay:
 
 
 async def _recv_tensors(channel, config, executor, into, relay: _Relay, ipc=None, stream=None, device=None,
-                        cuda_route=None, prepost=None):
+                        cuda_route=None, prepost=None, *, pacer: CodecPacer):
     loop = asyncio.get_running_loop()
     if config.compression != "off" and _uses_cuda(into, device):  # compressed chunks get decoded on the GPU
         await _load_gpu_codec(_gpu_codec(), torch.cuda.current_device(), executor)
@@ -480,7 +488,7 @@ async def _recv_tensors(channel, config, executor, into, relay: _Relay, ipc=None
         outputs = {e.name: torch.empty(e.shape, dtype=getattr(torch, e.dtype), device=device) for e in entries}
     flats = [_flat_bytes(outputs[e.name]) for e in entries]
     stats = TransferStats(raw_bytes=sum(e.nbytes for e in entries), chunks=len(chunks))
-    threads = config.codec_threads or default_threads()
+    cores = default_threads()
     crc32c = get_backend("cpu").crc32c
     cap = fmt.max_compressed_size(header.chunk_bytes, "uint8")
     # A staging buffer per posted receive, plus the one being decoded.
@@ -497,14 +505,19 @@ async def _recv_tensors(channel, config, executor, into, relay: _Relay, ipc=None
             # One slice of one tensor: decode straight into it, no staging copy (a CUDA
             # destination is decoded on its GPU when the GPU codec exists).
             direct = len(chunk.pieces) == 1
+            threads = config.codec_threads or pacer.threads(cores)
+            stats.codec_threads = max(stats.codec_threads, threads)
+            t0 = time.perf_counter()
             try:
                 if direct:
                     typed = _typed(dst, chunk.dtype)
                     if uz.read_header(payload).shape != tuple(typed.shape):
                         raise ProtocolError(f"chunk {k}: frame shape differs from the plan")
                     uz.decompress(payload, out=typed, threads=threads)
+                    pacer.observe_codec(chunk.nbytes, time.perf_counter() - t0, threads)
                     return
                 data = uz.decompress(payload, threads=threads)
+                pacer.observe_codec(chunk.nbytes, time.perf_counter() - t0, threads)
             except uz.FrameError as e:
                 raise ChecksumError(f"chunk {k}: {e}") from None
             except ValueError as e:  # a valid frame of another dtype or shape than planned
@@ -527,6 +540,7 @@ async def _recv_tensors(channel, config, executor, into, relay: _Relay, ipc=None
     # while chunk k's data is still flowing (the sender posts it early), so its receive is
     # posted before chunk k completes and the link never idles for a rendezvous round trip.
     inflight: collections.deque = collections.deque()  # (k, header bytes, header, payload, receive)
+    first_arrival = None  # (when chunk 0's payload was in, wire bytes then): the link's pace from there on
 
     try:
         for k, chunk in enumerate(chunks):
@@ -554,13 +568,19 @@ async def _recv_tensors(channel, config, executor, into, relay: _Relay, ipc=None
                 relay.pass_on(hb_j)
                 relayed[j % len(staging)] = relay.pass_on(payload_j)
                 stats.wire_bytes += ch_j.wire_nbytes
+                if first_arrival is None:
+                    first_arrival = (time.perf_counter(), stats.wire_bytes)
                 stats.chunks_compressed += ch_j.codec == proto.CODEC_UZIP
                 pending[j % len(staging)] = loop.run_in_executor(executor, finish, j, ch_j, payload_j)
     finally:
         for *_, receive in inflight:  # only after a failure: the endpoint is aborted, stop waiting
             receive.cancel()
+    arrived = time.perf_counter()
     for fut in pending:
         if fut is not None:
             await fut
+    if first_arrival is not None and stats.wire_bytes - first_arrival[1] >= END_TO_END_SAMPLE:
+        # After the last decode, so every chunk of this transfer was paced the same way.
+        pacer.observe_wire(stats.wire_bytes - first_arrival[1], arrived - first_arrival[0])
     stats.seconds = time.perf_counter() - t_start
     return outputs, stats

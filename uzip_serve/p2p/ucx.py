@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from uzip_serve.p2p import cuda_ipc, split_send, ucx_cuda
 from uzip_serve.p2p.loop import call_soon, cancel_quietly, on_ucx_loop
-from uzip_serve.p2p.adaptive import AdaptivePolicy, TransferStats
+from uzip_serve.p2p.adaptive import AdaptivePolicy, CodecPacer, TransferStats
 from uzip_serve.p2p.config import TransportConfig
 from uzip_serve.p2p.errors import PeerError, ProtocolError, TransferError, TransferTimeout
 
@@ -122,6 +122,8 @@ class Endpoint:
         self._ep = ucx_ep
         self.config = config
         self.policy = AdaptivePolicy(config.compression)
+        # Codec threads for the chunks this endpoint receives (its sends use self.policy.pacer).
+        self.recv_pacer = CodecPacer()
         # The CUDA IPC path has its own link and codec, so its own policy and state.
         self.ipc_policy = AdaptivePolicy.for_cuda_ipc(config.compression)
         self._ipc_exporter = cuda_ipc.Exporter()
@@ -235,7 +237,8 @@ class Endpoint:
             out, self.last_stats = await split_send.recv_tensors(self, config=self.config, executor=self._executor,
                                                                  into=into, forward=forward, ipc=self._ipc_importer,
                                                                  stream=stream, device=device,
-                                                                 cuda_route=self._cuda_route, prepost=prepost)
+                                                                 cuda_route=self._cuda_route, prepost=prepost,
+                                                                 pacer=self.recv_pacer)
             return out
         except TransferError:
             self.abort()
