@@ -319,6 +319,39 @@ def test_transfers_take_the_paced_codec_threads_on_both_sides(monkeypatch, link_
     assert (pacer.one_thread.value is not None) == (expect == 1)
 
 
+def test_staging_buffers_are_kept_between_transfers_that_succeed():
+    tensors = {"w": (torch.randn(3 << 19) * 0.02).to(torch.bfloat16)}
+    config = TransportConfig(chunk_bytes=1 << 20, compression="on")
+    send_pool, recv_pool = split_send.StagingPool(), split_send.StagingPool()
+
+    def run(tamper=None):
+        async def main():
+            tx, rx = pair(tamper)
+            with ThreadPoolExecutor(2) as pool:
+                return await asyncio.gather(
+                    split_send.send_tensors(tx, tensors, config=config, policy=AdaptivePolicy("on"), executor=pool,
+                                            staging_pool=send_pool),
+                    split_send.recv_tensors(rx, config=config, executor=pool, staging_pool=recv_pool),
+                    return_exceptions=True)
+        return asyncio.run(main())
+
+    def kept(pool):
+        return {id(b) for bufs in pool._free.values() for b in bufs}
+
+    sent, (got, _) = run()
+    assert torch.equal(bits(got["w"]), bits(tensors["w"]))
+    first_send, first_recv = kept(send_pool), kept(recv_pool)
+    assert len(first_send) == split_send.SEND_WINDOW + 1 and len(first_recv) == split_send.RECV_WINDOW + 1
+    sent, (got, _) = run()  # the same buffers carry the next transfer, bit-exact
+    assert torch.equal(bits(got["w"]), bits(tensors["w"]))
+    assert kept(send_pool) == first_send and kept(recv_pool) == first_recv
+    # a failed transfer keeps its buffers out (a send may still read them): new ones next time
+    flip = lambda i, data: data[:-9] + bytes([data[-9] ^ 1]) + data[-8:] if i == 3 else data
+    sent, recv = run(flip)
+    assert isinstance(recv, ChecksumError) and isinstance(sent, ChecksumError)
+    assert not kept(send_pool) and not kept(recv_pool)
+
+
 def test_cut_through_relay_forwards_every_chunk_unchanged():
     tensors = mixed_tensors(40, seed=9)
     config = TransportConfig(chunk_bytes=1 << 20, compression="on")

@@ -147,6 +147,29 @@ def _typed(data: torch.Tensor, dtype: str) -> torch.Tensor:
 
 # ---- send ---------------------------------------------------------------------------------
 
+class StagingPool:
+    """Staging buffers kept between the transfers of one endpoint and direction. A new
+    bytearray is zero-filled, 0.05-2 ms per MiB on the 2-core VM, and a transfer needs three
+    on each side before its first chunk can move: on the critical path of every PP step.
+    Buffers come back only from transfers that completed, so none is still read by a send."""
+
+    KEEP = 8  # per size, so a transfer made with many buffers (pipeline=False) is not all kept
+
+    def __init__(self):
+        self._free: dict[int, list[bytearray]] = {}
+
+    def take(self, n: int, nbytes: int) -> list[bytearray]:
+        free = self._free.get(nbytes, [])
+        got = [free.pop() for _ in range(min(n, len(free)))]
+        return got + [bytearray(nbytes) for _ in range(n - len(got))]
+
+    def give(self, bufs: list[bytearray]) -> None:
+        for b in bufs:
+            free = self._free.setdefault(len(b), [])
+            if len(free) < self.KEEP:
+                free.append(b)
+
+
 class _Encoded:
     __slots__ = ("header", "payload", "decision")
 
@@ -156,14 +179,15 @@ class _Encoded:
 
 async def send_tensors(channel: Channel, tensors, *, config: TransportConfig, policy: AdaptivePolicy,
                        executor: Executor, transfer_id: int = 0, ipc=None, ipc_policy: AdaptivePolicy | None = None,
-                       stream=None, cuda_route=None) -> TransferStats:
+                       stream=None, cuda_route=None, staging_pool: StagingPool | None = None) -> TransferStats:
     """Sends named tensors as one transfer. Returns when the peer verified all of it.
 
     GPU routes for tensors on one GPU, offered in this order (docs/gpu_p2p.md):
     `cuda_route` (a ucx_cuda.Route, where this process's UCX carries CUDA memory): UCX moves
     the tensors GPU to GPU; `ipc` (a cuda_ipc.Exporter): the peer maps them through CUDA IPC
     handles. Both need the peer on this host. `ipc_policy` is their adaptive policy, `stream`
-    the caller's CUDA stream (its pending writes are waited for).
+    the caller's CUDA stream (its pending writes are waited for). `staging_pool`: buffers
+    kept from this endpoint's earlier sends.
     """
     loop = asyncio.get_running_loop()
     items = named_items(tensors)
@@ -253,7 +277,8 @@ async def send_tensors(channel: Channel, tensors, *, config: TransportConfig, po
     if stream is not None and any(f.is_cuda for f in flats):
         stream.synchronize()  # the codec threads read on their own streams: wait for the caller's writes
     # A staging buffer per chunk in flight, plus the one being compressed.
-    staging.extend(bytearray(cap) for _ in range(SEND_WINDOW + 1 if config.pipeline else max(1, len(chunks))))
+    pool = staging_pool or StagingPool()
+    staging.extend(pool.take(SEND_WINDOW + 1 if config.pipeline else max(1, len(chunks)), cap))
     if config.pipeline:
         first_posted = await _pipelined_send(channel, len(chunks), lambda k: loop.run_in_executor(executor, encode, k),
                                              policy, stats, slots=len(staging))
@@ -273,6 +298,7 @@ async def send_tensors(channel: Channel, tensors, *, config: TransportConfig, po
         policy.pacer.observe_wire(stats.wire_bytes, acked - first_posted)
     if status != proto.ACK_OK:
         raise ProtocolError(f"the receiver rejected the transfer (status {status})")
+    pool.give(staging)
     stats.seconds = time.perf_counter() - t_start
     if stats.chunks_compressed in (0, stats.chunks):  # all one path: an outcome for its size class
         policy.observe_transfer(stats.raw_bytes, stats.seconds, compressed=stats.chunks_compressed > 0)
@@ -354,7 +380,8 @@ async def recv_tensors(channel: Channel, *, config: TransportConfig, executor: E
                        into: Mapping[str, torch.Tensor] | None = None,
                        forward: Sequence[Channel] = (), ipc=None, stream=None,
                        device=None, cuda_route=None, prepost=None,
-                       pacer: CodecPacer | None = None) -> tuple[dict[str, torch.Tensor], TransferStats]:
+                       pacer: CodecPacer | None = None,
+                       staging_pool: StagingPool | None = None) -> tuple[dict[str, torch.Tensor], TransferStats]:
     """Receives one transfer. Tensors are returned only once every chunk arrived and
     passed its checksum; on any failure nothing is returned (an `into` tensor may then
     hold partial data) and the sender is told why, where the connection still allows.
@@ -370,11 +397,12 @@ async def recv_tensors(channel: Channel, *, config: TransportConfig, executor: E
     offer. Both order their work after `stream`'s (default: the device's current stream).
     `prepost` (a ucx_cuda.PrePost): the route's receives, posted early for the layout expected.
     `pacer`: this side's codec threads per chunk, kept across the transfers of one endpoint
-    (config.codec_threads, where set, wins)."""
+    (config.codec_threads, where set, wins); `staging_pool` its buffers, the same way."""
     relay = _Relay(forward)
     try:
         result = await _recv_tensors(channel, config, executor, into, relay, ipc=ipc, stream=stream, device=device,
-                                     cuda_route=cuda_route, prepost=prepost, pacer=pacer or CodecPacer())
+                                     cuda_route=cuda_route, prepost=prepost, pacer=pacer or CodecPacer(),
+                                     staging_pool=staging_pool or StagingPool())
     except (ChecksumError, ProtocolError) as e:
         status = proto.ACK_CHECKSUM if isinstance(e, ChecksumError) else proto.ACK_PROTOCOL
         try:
@@ -434,7 +462,7 @@ class _Relay:
 
 
 async def _recv_tensors(channel, config, executor, into, relay: _Relay, ipc=None, stream=None, device=None,
-                        cuda_route=None, prepost=None, *, pacer: CodecPacer):
+                        cuda_route=None, prepost=None, *, pacer: CodecPacer, staging_pool: StagingPool):
     loop = asyncio.get_running_loop()
     if config.compression != "off" and _uses_cuda(into, device):  # compressed chunks get decoded on the GPU
         await _load_gpu_codec(_gpu_codec(), torch.cuda.current_device(), executor)
@@ -492,7 +520,7 @@ async def _recv_tensors(channel, config, executor, into, relay: _Relay, ipc=None
     crc32c = get_backend("cpu").crc32c
     cap = fmt.max_compressed_size(header.chunk_bytes, "uint8")
     # A staging buffer per posted receive, plus the one being decoded.
-    staging = [bytearray(cap) for _ in range(RECV_WINDOW + 1)]
+    staging = staging_pool.take(RECV_WINDOW + 1, cap)
     pending: list[asyncio.Future | None] = [None] * len(staging)
     relayed: list[list[asyncio.Future]] = [[] for _ in staging]  # sends still reading each staging buffer
 
@@ -582,5 +610,7 @@ async def _recv_tensors(channel, config, executor, into, relay: _Relay, ipc=None
     if first_arrival is not None and stats.wire_bytes - first_arrival[1] >= END_TO_END_SAMPLE:
         # After the last decode, so every chunk of this transfer was paced the same way.
         pacer.observe_wire(stats.wire_bytes - first_arrival[1], arrived - first_arrival[0])
+    await relay.drain()  # relayed sends may still read the staging buffers
+    staging_pool.give(staging)
     stats.seconds = time.perf_counter() - t_start
     return outputs, stats

@@ -122,8 +122,10 @@ class Endpoint:
         self._ep = ucx_ep
         self.config = config
         self.policy = AdaptivePolicy(config.compression)
-        # Codec threads for the chunks this endpoint receives (its sends use self.policy.pacer).
+        # Codec threads for the chunks this endpoint receives (its sends use self.policy.pacer),
+        # and the staging buffers of each direction, kept between transfers.
         self.recv_pacer = CodecPacer()
+        self._send_staging, self._recv_staging = split_send.StagingPool(), split_send.StagingPool()
         # The CUDA IPC path has its own link and codec, so its own policy and state.
         self.ipc_policy = AdaptivePolicy.for_cuda_ipc(config.compression)
         self._ipc_exporter = cuda_ipc.Exporter()
@@ -218,7 +220,8 @@ class Endpoint:
             self.last_stats = await split_send.send_tensors(self, tensors, config=self.config, policy=self.policy,
                                                             executor=self._executor, transfer_id=self.next_transfer_id(),
                                                             ipc=self._ipc_exporter, ipc_policy=self.ipc_policy,
-                                                            stream=stream, cuda_route=self._cuda_route)
+                                                            stream=stream, cuda_route=self._cuda_route,
+                                                            staging_pool=self._send_staging)
             return self.last_stats
         except TransferError:
             self.abort()
@@ -238,7 +241,7 @@ class Endpoint:
                                                                  into=into, forward=forward, ipc=self._ipc_importer,
                                                                  stream=stream, device=device,
                                                                  cuda_route=self._cuda_route, prepost=prepost,
-                                                                 pacer=self.recv_pacer)
+                                                                 pacer=self.recv_pacer, staging_pool=self._recv_staging)
             return out
         except TransferError:
             self.abort()
