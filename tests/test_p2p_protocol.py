@@ -283,14 +283,23 @@ def test_codec_pacer_uses_the_fewest_threads_that_keep_ahead_of_the_link():
     p.observe_wire(8 << 20, (8 << 20) / 0.125e9)  # 1 Gbit/s
     assert p.threads(8) == 1  # the prior thread (0.5 GB/s) is 4x the link already
     p.observe_codec(1 << 20, (1 << 20) / 0.05e9, threads=2)  # a contended 2-thread call: ignored
-    assert p.one_thread.value is None and p.threads(8) == 1
-    p.observe_codec(1 << 20, (1 << 20) / 0.2e9, threads=1)  # a slow machine: 3 x 0.125 / 0.2
-    assert p.threads(8) == 2
+    assert p.one_thread is None and p.threads(8) == 1
+    p.observe_codec(1 << 20, (1 << 20) / 0.9e9, threads=1)
+    p.observe_codec(1 << 20, (1 << 20) / 0.1e9, threads=1)  # preempted: does not put chunks on 4 threads
+    assert p.one_thread == pytest.approx(0.9e9) and p.threads(8) == 1
+    slow = CodecPacer()  # a machine whose one thread really is slow: 3 x 0.125 / 0.2
+    slow.observe_wire(8 << 20, (8 << 20) / 0.125e9)
+    for _ in range(3):
+        slow.observe_codec(1 << 20, (1 << 20) / 0.2e9, threads=1)
+    assert slow.threads(8) == 2
     for _ in range(30):
         p.observe_wire(64 << 20, (64 << 20) / 1.25e9)  # the link turns out to be 10 Gbit/s
-    assert p.threads(8) == 8 and p.threads(3) == 3 and p.threads(1) == 1
+    assert p.threads(8) == 5 and p.threads(3) == 3 and p.threads(1) == 1  # 3 x 1.25 / 0.9 GB/s
     p.observe_wire(1000, 1e-3)  # too small to say anything
     assert p.wire.value == pytest.approx(1.25e9, rel=1e-3)
+    for _ in range(CodecPacer.ONE_THREAD_WINDOW):  # old samples age out
+        p.observe_codec(1 << 20, (1 << 20) / 0.3e9, threads=1)
+    assert p.one_thread == pytest.approx(0.3e9)
 
 
 @pytest.mark.parametrize("link_gbps, fixed, expect", [(None, None, 4), (0.125, None, 1), (0.125, 3, 3)])
@@ -315,8 +324,8 @@ def test_transfers_take_the_paced_codec_threads_on_both_sides(monkeypatch, link_
     assert torch.equal(bits(got["w"]), bits(tensors["w"]))
     assert sent.chunks_compressed == 3 and sent.codec_threads == expect and received.codec_threads == expect
     # every transfer teaches both sides: the link (end to end) and, at one thread, the codec
-    assert (policy.pacer.one_thread.value is not None) == (expect == 1)
-    assert (pacer.one_thread.value is not None) == (expect == 1)
+    assert (policy.pacer.one_thread is not None) == (expect == 1)
+    assert (pacer.one_thread is not None) == (expect == 1)
 
 
 def test_staging_buffers_are_kept_between_transfers_that_succeed():

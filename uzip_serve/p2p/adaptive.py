@@ -52,29 +52,38 @@ class CodecPacer:
 
     Speeds: `wire` is bytes per second the link really carried end to end (raw or compressed
     transfers alike: a codec that paces the link shows up as a slow link and gets threads);
-    `one_thread` raw bytes per second of single-thread calls only (a share of a call spread
-    over contended cores reads slow, and would keep that call spread), PRIOR_ONE_THREAD until
-    one was measured."""
+    one thread's speed is the fastest of the last ONE_THREAD_WINDOW single-thread calls,
+    PRIOR_ONE_THREAD until one was measured. The fastest, because a preempted call reads slow
+    and says nothing about the codec: with a mean, one such call put a chunk on two threads,
+    whose calls never measure one thread again (measured: a 164 KB PP step stuck at 3.7 ms,
+    a scheduler tick, instead of 1.1). Calls spread over several threads are not used at all:
+    their per-thread share reads slow for the same reason."""
 
     PACE = 3.0
     # Below what one thread of the C codec does on real bf16 here (0.8-1.0 GB/s), so an
     # unmeasured machine is not held to one thread on a link it cannot keep up with.
     PRIOR_ONE_THREAD = 0.5e9
+    ONE_THREAD_WINDOW = 16
 
     def __init__(self):
         self.wire = Ewma()
-        self.one_thread = Ewma()
+        self.one_thread_samples: collections.deque[float] = collections.deque(maxlen=self.ONE_THREAD_WINDOW)
+
+    @property
+    def one_thread(self) -> float | None:
+        """Raw bytes per second of one codec thread (None: not measured)."""
+        return max(self.one_thread_samples, default=None)
 
     def threads(self, most: int) -> int:
         link = self.wire.value
         if not link or most <= 1:
             return max(1, most)
-        one = self.one_thread.value or self.PRIOR_ONE_THREAD
+        one = self.one_thread or self.PRIOR_ONE_THREAD
         return max(1, min(most, math.ceil(self.PACE * link / one)))
 
     def observe_codec(self, raw_bytes: int, seconds: float, threads: int) -> None:
         if threads == 1 and raw_bytes >= AdaptivePolicy.MIN_BYTES and seconds > 0:
-            self.one_thread.add(raw_bytes / seconds)
+            self.one_thread_samples.append(raw_bytes / seconds)
 
     def observe_wire(self, wire_bytes: int, seconds: float) -> None:
         if wire_bytes >= AdaptivePolicy.MIN_BYTES and seconds > 0:
