@@ -200,7 +200,7 @@ async def send_tensors(channel: Channel, tensors, *, config: TransportConfig, po
     cores = default_threads()
     crc32c = get_backend("cpu").crc32c
     cap = fmt.max_compressed_size(config.chunk_bytes, "uint8")
-    staging: list[bytearray] = []  # made when the chunk stream starts: bytearray() zero-fills (ms per MiB-scale buffer)
+    staging: list[bytearray] = []  # taken from the pool once the chunk stream carries the transfer
     gpu_codec = _gpu_codec() if any(f.is_cuda for f in flats) else None
     if gpu_codec is not None and config.compression != "off":
         await _load_gpu_codec(gpu_codec, next(f.device.index for f in flats if f.is_cuda), executor)
@@ -542,14 +542,15 @@ async def _recv_tensors(channel, config, executor, into, relay: _Relay, ipc=None
                     if uz.read_header(payload).shape != tuple(typed.shape):
                         raise ProtocolError(f"chunk {k}: frame shape differs from the plan")
                     uz.decompress(payload, out=typed, threads=threads)
-                    pacer.observe_codec(chunk.nbytes, time.perf_counter() - t0, threads)
-                    return
-                data = uz.decompress(payload, threads=threads)
-                pacer.observe_codec(chunk.nbytes, time.perf_counter() - t0, threads)
+                else:
+                    data = uz.decompress(payload, threads=threads)
             except uz.FrameError as e:
                 raise ChecksumError(f"chunk {k}: {e}") from None
             except ValueError as e:  # a valid frame of another dtype or shape than planned
                 raise ProtocolError(f"chunk {k}: {e}") from None
+            pacer.observe_codec(chunk.nbytes, time.perf_counter() - t0, threads)
+            if direct:
+                return
             data = data.reshape(-1).view(torch.uint8)
             if data.numel() != chunk.nbytes:
                 raise ProtocolError(f"chunk {k}: frame holds {data.numel()} bytes, plan says {chunk.nbytes}")
