@@ -328,6 +328,51 @@ def test_transfers_take_the_paced_codec_threads_on_both_sides(monkeypatch, link_
     assert (pacer.one_thread is not None) == (expect == 1)
 
 
+class SlowChannel(MemoryChannel):
+    """A MemoryChannel whose messages cross one after another at `rate` bytes per second."""
+
+    def __init__(self, inbox, outbox, rate):
+        super().__init__(inbox, outbox)
+        self.rate, self._last = rate, None
+
+    def send(self, buf):
+        data, prev = bytes(memoryview(buf).cast("B")), self._last
+
+        async def cross():
+            if prev is not None:
+                await prev
+            await asyncio.sleep(len(data) / self.rate)
+            self.outbox.put_nowait(data)
+
+        self._last = asyncio.ensure_future(cross())
+        return self._last
+
+
+def test_an_endpoint_of_small_transfers_is_paced_too(monkeypatch):
+    """Transfers under 1 MiB on the wire (a PP step of a short prompt) teach both pacers the
+    link: the first goes on every core, the next on one thread over a 20 MB/s link."""
+    monkeypatch.setenv("UZIP_NUM_THREADS", "4")
+    tensors = {"w": (torch.randn(600_000) * 0.02).to(torch.bfloat16)}  # 1.2 MB: two chunks, ~0.8 MB wire
+    config = TransportConfig(chunk_bytes=1 << 20, compression="on")
+    policy, pacer = AdaptivePolicy("on"), CodecPacer()
+
+    async def main():
+        a, b = asyncio.Queue(), asyncio.Queue()
+        tx, rx = SlowChannel(a, b, 20e6), SlowChannel(b, a, 20e6)
+        out = []
+        with ThreadPoolExecutor(2) as pool:
+            for _ in range(2):
+                out.append(await asyncio.gather(
+                    split_send.send_tensors(tx, tensors, config=config, policy=policy, executor=pool),
+                    split_send.recv_tensors(rx, config=config, executor=pool, pacer=pacer)))
+        return out
+
+    (first, (_, first_rx)), (second, (got, second_rx)) = asyncio.run(main())
+    assert first.wire_bytes < split_send.END_TO_END_SAMPLE and torch.equal(bits(got["w"]), bits(tensors["w"]))
+    assert (first.codec_threads, first_rx.codec_threads) == (4, 4)
+    assert (second.codec_threads, second_rx.codec_threads) == (1, 1)
+
+
 def test_staging_buffers_are_kept_between_transfers_that_succeed():
     tensors = {"w": (torch.randn(3 << 19) * 0.02).to(torch.bfloat16)}
     config = TransportConfig(chunk_bytes=1 << 20, compression="on")

@@ -295,6 +295,10 @@ async def send_tensors(channel: Channel, tensors, *, config: TransportConfig, po
     if first_posted is not None and stats.wire_bytes >= END_TO_END_SAMPLE:
         # End to end, first chunk posted to the receiver's ack: what the link really carried.
         policy.observe_link(stats.wire_bytes, acked - first_posted, lower_bound=stats.chunks_compressed > 0)
+    if first_posted is not None:
+        # Smaller transfers too (from 64 KiB, CodecPacer.observe_wire): their fixed costs make
+        # the link look slower, which only means fewer threads, and an endpoint that carries
+        # only small transfers (PP steps of short prompts) must not stay on every core.
         policy.pacer.observe_wire(stats.wire_bytes, acked - first_posted)
     if status != proto.ACK_OK:
         raise ProtocolError(f"the receiver rejected the transfer (status {status})")
@@ -608,7 +612,7 @@ async def _recv_tensors(channel, config, executor, into, relay: _Relay, ipc=None
     for fut in pending:
         if fut is not None:
             await fut
-    if first_arrival is not None and stats.wire_bytes - first_arrival[1] >= END_TO_END_SAMPLE:
+    if first_arrival is not None:
         # After the last decode, so every chunk of this transfer was paced the same way.
         pacer.observe_wire(stats.wire_bytes - first_arrival[1], arrived - first_arrival[0])
     await relay.drain()  # relayed sends may still read the staging buffers
