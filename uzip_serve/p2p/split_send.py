@@ -147,6 +147,18 @@ def _typed(data: torch.Tensor, dtype: str) -> torch.Tensor:
 
 # ---- send ---------------------------------------------------------------------------------
 
+def _run_codec(call, raw_bytes: int, pacer: CodecPacer, config: TransportConfig, stats: TransferStats):
+    """`call(threads)` on the configured thread count, else the pacer's; the pacer learns
+    from it and the stats record it. Returns (its result, seconds)."""
+    threads = config.codec_threads or pacer.threads(default_threads())
+    stats.codec_threads = max(stats.codec_threads, threads)
+    t0 = time.perf_counter()
+    result = call(threads)
+    seconds = time.perf_counter() - t0
+    pacer.observe_codec(raw_bytes, seconds, threads)
+    return result, seconds
+
+
 class StagingPool:
     """Staging buffers kept between the transfers of one endpoint and direction. A new
     bytearray is zero-filled, 0.05-2 ms per MiB on the 2-core VM, and a transfer needs three
@@ -197,7 +209,6 @@ async def send_tensors(channel: Channel, tensors, *, config: TransportConfig, po
     flats = [_flat_bytes(t) for _, t in items]
     manifest = proto.encode_manifest(entries)
     stats = TransferStats(raw_bytes=sum(e.nbytes for e in entries), chunks=num_chunks)
-    cores = default_threads()
     crc32c = get_backend("cpu").crc32c
     cap = fmt.max_compressed_size(config.chunk_bytes, "uint8")
     staging: list[bytearray] = []  # taken from the pool once the chunk stream carries the transfer
@@ -223,13 +234,9 @@ async def send_tensors(channel: Channel, tensors, *, config: TransportConfig, po
             data = data.cpu()
         if decision.compress:
             buf = staging[k % len(staging)]
-            threads = config.codec_threads or policy.pacer.threads(cores)
-            t0 = time.perf_counter()
-            n = uz.compress_into(typed, buf, threads=threads)
-            seconds = time.perf_counter() - t0
+            n, seconds = _run_codec(lambda threads: uz.compress_into(typed, buf, threads=threads), data.numel(),
+                                    policy.pacer, config, stats)
             policy.observe_compress(data.numel(), seconds)
-            policy.pacer.observe_codec(data.numel(), seconds, threads)
-            stats.codec_threads = max(stats.codec_threads, threads)
             header = proto.ChunkHeader(k, proto.CODEC_UZIP, data.numel(), n)
             return _Encoded(header, memoryview(buf)[:n], decision)
         header = proto.ChunkHeader(k, proto.CODEC_RAW, data.numel(), data.numel(), crc32c(_host_view(data)))
@@ -520,7 +527,6 @@ async def _recv_tensors(channel, config, executor, into, relay: _Relay, ipc=None
         outputs = {e.name: torch.empty(e.shape, dtype=getattr(torch, e.dtype), device=device) for e in entries}
     flats = [_flat_bytes(outputs[e.name]) for e in entries]
     stats = TransferStats(raw_bytes=sum(e.nbytes for e in entries), chunks=len(chunks))
-    cores = default_threads()
     crc32c = get_backend("cpu").crc32c
     cap = fmt.max_compressed_size(header.chunk_bytes, "uint8")
     # A staging buffer per posted receive, plus the one being decoded.
@@ -537,24 +543,20 @@ async def _recv_tensors(channel, config, executor, into, relay: _Relay, ipc=None
             # One slice of one tensor: decode straight into it, no staging copy (a CUDA
             # destination is decoded on its GPU when the GPU codec exists).
             direct = len(chunk.pieces) == 1
-            threads = config.codec_threads or pacer.threads(cores)
-            stats.codec_threads = max(stats.codec_threads, threads)
-            t0 = time.perf_counter()
             try:
                 if direct:
                     typed = _typed(dst, chunk.dtype)
                     if uz.read_header(payload).shape != tuple(typed.shape):
                         raise ProtocolError(f"chunk {k}: frame shape differs from the plan")
-                    uz.decompress(payload, out=typed, threads=threads)
-                else:
-                    data = uz.decompress(payload, threads=threads)
+                    _run_codec(lambda threads: uz.decompress(payload, out=typed, threads=threads), chunk.nbytes,
+                               pacer, config, stats)
+                    return
+                data, _ = _run_codec(lambda threads: uz.decompress(payload, threads=threads), chunk.nbytes,
+                                     pacer, config, stats)
             except uz.FrameError as e:
                 raise ChecksumError(f"chunk {k}: {e}") from None
             except ValueError as e:  # a valid frame of another dtype or shape than planned
                 raise ProtocolError(f"chunk {k}: {e}") from None
-            pacer.observe_codec(chunk.nbytes, time.perf_counter() - t0, threads)
-            if direct:
-                return
             data = data.reshape(-1).view(torch.uint8)
             if data.numel() != chunk.nbytes:
                 raise ProtocolError(f"chunk {k}: frame holds {data.numel()} bytes, plan says {chunk.nbytes}")
