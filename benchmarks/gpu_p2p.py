@@ -89,6 +89,20 @@ def _warm_codec():
         print("GPU codec warm-up failed:", e, flush=True)
 
 
+def _with_receiver(target, args, sender) -> None:
+    """Starts `target(q, port_q, *args)` in a process of its own (it puts its listening port on
+    port_q and its checks on q), runs `await sender(port, q)` here, then reaps the process."""
+    q, port_q = _ctx().Queue(), _ctx().Queue()
+    proc = _ctx().Process(target=target, args=(q, port_q, *args), daemon=True)
+    proc.start()
+    try:
+        asyncio.run(sender(port_q.get(timeout=120), q))
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+
+
 def _our_receiver(q, port_q, cfg, sizes, dest, reps, own_loop=False):
     import torch
 
@@ -208,54 +222,44 @@ def bench_ours(sizes, compression, dest="cuda", cuda_ipc="auto", cuda_ucx="auto"
         _warm_codec()
     fast = compression != "on" and dest == "cuda" and "auto" in (cuda_ipc, cuda_ucx)
     reps = {n: _reps(n, fast) for n in sizes}
-    q, port_q = _ctx().Queue(), _ctx().Queue()
-    proc = _ctx().Process(target=_our_receiver, args=(q, port_q, cfg, sizes, dest, reps, own_loop),
-                          daemon=True)
-    proc.start()
     out = {}
-    try:
-        port = port_q.get(timeout=120)
 
-        async def main():
-            if own_loop:
-                p2p.use_running_loop()
-            ep = await p2p.connect("127.0.0.1", port, p2p.TransportConfig.from_env(**cfg))
-            for nbytes in sizes:
-                src = {"w": _src(nbytes)}
-                _warm_gpu()
-                times, stats, runs = [], None, []
-                prof = _LoopProfile("sender") if nbytes == max(sizes) else None
-                for i in range(reps[nbytes] + 2):
-                    if prof and i == 2:
-                        prof.start()
-                    marks.clear()
-                    t0 = time.perf_counter()
-                    stats = await ep.send_tensors(src)
-                    if i >= 2:  # two warm-ups: mapping opened, staging allocated, codec compiled
-                        times.append(time.perf_counter() - t0)
-                        runs.append([(name, t - t0) for name, t in marks])
-                if prof:
-                    prof.stop()
-                _, _, ok, preposted = q.get(timeout=300)
-                med = statistics.median(times)
-                spin = p2p.TransportConfig.from_env(**cfg)
-                out[nbytes] = {"gbps": nbytes / med / 1e9, "median_s": med, "min_s": min(times), "exact": bool(ok),
-                               "gpu_spin_s": spin.gpu_spin_s, "caller_spin_s": spin.caller_spin_s,
-                               "receiver_preposted": f"{preposted} of {len(times) + 2}",
-                               "path": stats.path, "ratio": stats.ratio, "chunks_compressed": stats.chunks_compressed,
-                               "decision": stats.decisions[-1].reason if stats.decisions else None}
-                print(f"  ours {compression:>4} ->{dest}: {nbytes // MiB:5d} MiB {out[nbytes]['gbps']:8.1f} GB/s "
-                      f"path={stats.path} ratio={stats.ratio:.3f} exact={ok} preposted={preposted}", flush=True)
-                if trace and runs:
-                    out[nbytes]["timeline"] = _timeline(runs)
-                    print(f"    sender timeline: {out[nbytes]['timeline']}; total {med * 1e3:.3f} ms", flush=True)
-            await ep.close()
+    async def main(port, q):
+        if own_loop:
+            p2p.use_running_loop()
+        ep = await p2p.connect("127.0.0.1", port, p2p.TransportConfig.from_env(**cfg))
+        for nbytes in sizes:
+            src = {"w": _src(nbytes)}
+            _warm_gpu()
+            times, stats, runs = [], None, []
+            prof = _LoopProfile("sender") if nbytes == max(sizes) else None
+            for i in range(reps[nbytes] + 2):
+                if prof and i == 2:
+                    prof.start()
+                marks.clear()
+                t0 = time.perf_counter()
+                stats = await ep.send_tensors(src)
+                if i >= 2:  # two warm-ups: mapping opened, staging allocated, codec compiled
+                    times.append(time.perf_counter() - t0)
+                    runs.append([(name, t - t0) for name, t in marks])
+            if prof:
+                prof.stop()
+            _, _, ok, preposted = q.get(timeout=300)
+            med = statistics.median(times)
+            spin = p2p.TransportConfig.from_env(**cfg)
+            out[nbytes] = {"gbps": nbytes / med / 1e9, "median_s": med, "min_s": min(times), "exact": bool(ok),
+                           "gpu_spin_s": spin.gpu_spin_s, "caller_spin_s": spin.caller_spin_s,
+                           "receiver_preposted": f"{preposted} of {len(times) + 2}",
+                           "path": stats.path, "ratio": stats.ratio, "chunks_compressed": stats.chunks_compressed,
+                           "decision": stats.decisions[-1].reason if stats.decisions else None}
+            print(f"  ours {compression:>4} ->{dest}: {nbytes // MiB:5d} MiB {out[nbytes]['gbps']:8.1f} GB/s "
+                  f"path={stats.path} ratio={stats.ratio:.3f} exact={ok} preposted={preposted}", flush=True)
+            if trace and runs:
+                out[nbytes]["timeline"] = _timeline(runs)
+                print(f"    sender timeline: {out[nbytes]['timeline']}; total {med * 1e3:.3f} ms", flush=True)
+        await ep.close()
 
-        asyncio.run(main())
-    finally:
-        proc.join(30)
-        if proc.is_alive():
-            proc.kill()
+    _with_receiver(_our_receiver, (cfg, sizes, dest, reps, own_loop), main)
     return out
 
 
@@ -298,48 +302,39 @@ def bench_alternating(sizes):
     from uzip_serve import p2p
 
     reps = {n: _reps(n, fast=True) for n in sizes}
-    q, port_q = _ctx().Queue(), _ctx().Queue()
-    proc = _ctx().Process(target=_alternating_receiver, args=(q, port_q, sizes, reps), daemon=True)
-    proc.start()
     out = {}
-    try:
-        port = port_q.get(timeout=120)
 
-        async def main():
-            eps = {}
-            for mode in MODES:
-                eps[mode] = await p2p.connect("127.0.0.1", port,
-                                              p2p.TransportConfig.from_env(compression=mode, deadline_s=60))
-                await eps[mode].send_bytes(mode.encode())
-            for nbytes in sizes:
-                src = {"w": _src(nbytes)}
-                _warm_gpu()
-                times = {m: [] for m in MODES}
-                paths = {}
-                for i in range(reps[nbytes] + 2):
-                    for mode in MODES[:: 1 if i % 2 == 0 else -1]:
-                        t0 = time.perf_counter()
-                        stats = await eps[mode].send_tensors(src)
-                        if i >= 2:
-                            times[mode].append(time.perf_counter() - t0)
-                        paths[mode] = stats.path
-                _, _, ok = q.get(timeout=300)
-                med = {m: statistics.median(times[m]) for m in MODES}
-                pair = statistics.median(r / a for r, a in zip(times["off"], times["auto"]))
-                out[nbytes] = {"gbps": nbytes / med["auto"] / 1e9, "raw_gbps": nbytes / med["off"] / 1e9,
-                               "adaptive_over_raw": med["off"] / med["auto"], "pairwise_median": pair,
-                               "paths": paths, "exact": bool(ok), "transfers_each": len(times["off"])}
-                print(f"  alternating: {nbytes // MiB:5d} MiB raw {out[nbytes]['raw_gbps']:7.1f} GB/s, adaptive "
-                      f"{out[nbytes]['gbps']:7.1f} GB/s: adaptive / raw {out[nbytes]['adaptive_over_raw']:.3f} "
-                      f"(pairwise median {pair:.3f}) paths={paths} exact={ok}", flush=True)
-            for ep in eps.values():
-                await ep.close()
+    async def main(port, q):
+        eps = {}
+        for mode in MODES:
+            eps[mode] = await p2p.connect("127.0.0.1", port,
+                                          p2p.TransportConfig.from_env(compression=mode, deadline_s=60))
+            await eps[mode].send_bytes(mode.encode())
+        for nbytes in sizes:
+            src = {"w": _src(nbytes)}
+            _warm_gpu()
+            times = {m: [] for m in MODES}
+            paths = {}
+            for i in range(reps[nbytes] + 2):
+                for mode in MODES[:: 1 if i % 2 == 0 else -1]:
+                    t0 = time.perf_counter()
+                    stats = await eps[mode].send_tensors(src)
+                    if i >= 2:
+                        times[mode].append(time.perf_counter() - t0)
+                    paths[mode] = stats.path
+            _, _, ok = q.get(timeout=300)
+            med = {m: statistics.median(times[m]) for m in MODES}
+            pair = statistics.median(r / a for r, a in zip(times["off"], times["auto"]))
+            out[nbytes] = {"gbps": nbytes / med["auto"] / 1e9, "raw_gbps": nbytes / med["off"] / 1e9,
+                           "adaptive_over_raw": med["off"] / med["auto"], "pairwise_median": pair,
+                           "paths": paths, "exact": bool(ok), "transfers_each": len(times["off"])}
+            print(f"  alternating: {nbytes // MiB:5d} MiB raw {out[nbytes]['raw_gbps']:7.1f} GB/s, adaptive "
+                  f"{out[nbytes]['gbps']:7.1f} GB/s: adaptive / raw {out[nbytes]['adaptive_over_raw']:.3f} "
+                  f"(pairwise median {pair:.3f}) paths={paths} exact={ok}", flush=True)
+        for ep in eps.values():
+            await ep.close()
 
-        asyncio.run(main())
-    finally:
-        proc.join(30)
-        if proc.is_alive():
-            proc.kill()
+    _with_receiver(_alternating_receiver, (sizes, reps), main)
     return out
 
 
