@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import importlib
 
-from uzip_serve.collectives.base import CollectiveError, CollectiveStats, Communicator, counters
+from uzip_serve.collectives.base import CollectiveError, CollectivePeerError, CollectiveStats, Communicator, counters
 
 __all__ = [
     "CollectiveError",
+    "CollectivePeerError",
     "CollectiveStats",
     "Communicator",
     "RingConfig",

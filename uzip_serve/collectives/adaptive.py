@@ -49,7 +49,10 @@ _ENV = {
     "resync_every": "UZIP_ALLREDUCE_RESYNC_EVERY",
     "validate": "UZIP_ALLREDUCE_VALIDATE",
     "explore_calls": "UZIP_ALLREDUCE_EXPLORE_CALLS",
+    "transport": "UZIP_ALLREDUCE_TRANSPORT",
+    "deadline_s": "UZIP_ALLREDUCE_DEADLINE_S",
 }
+TRANSPORTS = ("gloo", "ucx", "tcp")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -91,6 +94,14 @@ class RingConfig:
     #: calls per path in such a trial; 0 trusts the model everywhere.
     #: (UZIP_ALLREDUCE_EXPLORE_CALLS)
     explore_calls: int = 4
+    #: what carries the CPU ring's hops: "gloo" (torch.distributed isend/irecv on the
+    #: group), "tcp" (sockets of its own, a sender and a receiver thread per neighbour) or
+    #: "ucx" (ucxx tag messages, UCX's own progress thread). The CUDA backend ignores it
+    #: (NCCL). (UZIP_ALLREDUCE_TRANSPORT)
+    transport: str = "gloo"
+    #: ucx / tcp: a hop that makes no progress for this long raises CollectivePeerError.
+    #: (UZIP_ALLREDUCE_DEADLINE_S)
+    deadline_s: float = 300.0
 
     def __post_init__(self):
         if self.compression not in ("auto", "on", "off"):
@@ -103,6 +114,10 @@ class RingConfig:
             raise ValueError(f"codec_threads must be >= 1, got {self.codec_threads}")
         if not 0 <= self.margin < 1:
             raise ValueError(f"margin must be in [0, 1), got {self.margin}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
+        if not self.deadline_s > 0:
+            raise ValueError(f"deadline_s must be positive, got {self.deadline_s}")
         if self.explore_calls < 0 or self.explore_band < 0:
             raise ValueError("explore_calls and explore_band must be >= 0")
 

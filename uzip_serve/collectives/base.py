@@ -7,7 +7,8 @@ same dtype and element count, or the ranks hang or raise `CollectiveError`.
 
 Backends (registered by name in uzip_serve/collectives/__init__.py, imported lazily):
 
-  gloo   CPU tensors, compressed bytes over torch.distributed point-to-point on a gloo group
+  gloo   CPU tensors on a gloo group; the ring's hops over TCP sockets of its own,
+         UCX, or torch.distributed point-to-point on the group (RingConfig.transport)
   cuda   CUDA tensors, the GPU codec plus NCCL send/recv (untested on multi-GPU)
 """
 
@@ -27,6 +28,12 @@ class CollectiveError(ValueError):
     """A collective was called with arguments it cannot run: an unsupported dtype, a
     wrong device, or tensors whose sizes differ between ranks. The message names the
     verb, the rank and the offending value."""
+
+
+class CollectivePeerError(CollectiveError):
+    """A hop of the ring could not complete: the peer is gone, sent a message larger than
+    the posted buffer (ranks disagree on the input), or made no progress within the
+    transport's deadline (`RingConfig.deadline_s`). Raised by the ucx and tcp transports."""
 
 
 # Dtypes the ring can sum. Elementwise `torch.add` on these is exact IEEE/integer

@@ -1,6 +1,7 @@
-"""CPU backend: the C codec, compressed bytes over torch.distributed point-to-point on
-a gloo group. Messages are uint8 tensors (a size header, then the frame); nothing is
-pickled."""
+"""CPU backend: the C codec, compressed bytes between ring neighbours over
+torch.distributed point-to-point on the gloo group, TCP sockets of the ring's own, or UCX
+(`RingConfig.transport`; transports.py). Messages are uint8 tensors (a size header, then
+the frame); nothing is pickled."""
 
 from __future__ import annotations
 
@@ -112,6 +113,16 @@ class GlooRingCommunicator(RingCommunicator):
         super().__init__(group, **kw)
 
     def _make_transport(self):
+        # Collective: ucx and tcp exchange addresses on the group and connect neighbours.
+        kind = self.config.transport
+        if kind == "ucx":
+            from uzip_serve.collectives.transports import UcxP2P
+
+            return UcxP2P(self.group, deadline_s=self.config.deadline_s)
+        if kind == "tcp":
+            from uzip_serve.collectives.transports import SocketP2P
+
+            return SocketP2P(self.group, deadline_s=self.config.deadline_s)
         return TorchP2P(self.group)
 
     def _make_codec(self):

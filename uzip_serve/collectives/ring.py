@@ -223,7 +223,9 @@ class RingEngine:
         self.min_sub_chunk_bytes = min_sub_chunk_bytes
 
     def close(self) -> None:
-        pass
+        close = getattr(self.transport, "close", None)
+        if close is not None:
+            close()
 
     def sub_bytes(self, chunk_nbytes: int) -> int:
         """Sub-chunk size for a chunk: about a quarter of it (so the pipeline has
