@@ -6,7 +6,10 @@ activations (hidden states and KV cache of a forward pass over prose, tiled to s
 each rank a different slice) from 256 KiB to 64 MiB, with, interleaved in one run:
 
   gloo        torch.distributed.all_reduce on the gloo group (what CPU TP runs today)
-  compressed  the compressed ring, always on
+  compressed  the compressed ring, always on, its hops over the default transport
+              (RingConfig.transport / UZIP_ALLREDUCE_TRANSPORT)
+  compressed_T  the same over transport T, for each T of --transports (an A/B of the
+              hop transports: gloo isend/irecv, ucx, tcp; docs/collectives.md)
   adaptive    the ring communicator deciding per call (falls back to gloo's all-reduce)
   gloo_again  gloo once more: an A/A control, the noise floor of every ratio
 
@@ -17,6 +20,7 @@ Reports the median latency per mode and size, the wire ratio of the compressed p
 the speed-up over gloo; writes docs/benchmarks/allreduce_link.{json,png}.
 
     python -m benchmarks.allreduce_link [--rates 1gbit,10gbit] [--repeats 7] [--max-mib 64]
+                                        [--transports gloo,ucx,tcp]
 """
 
 from __future__ import annotations
@@ -74,7 +78,12 @@ def activations(nbytes: int, rank: int, world: int, dtype=None):
 
 # ---- one rank, inside its namespace ----
 
-def role_rank(rank: int, world: int, master: str, sizes: list[int], repeats: int, threads: int) -> None:
+def modes_for(transports: list[str]) -> tuple[str, ...]:
+    return ("gloo", "compressed", *[f"compressed_{t}" for t in transports], "adaptive", "gloo_again")
+
+
+def role_rank(rank: int, world: int, master: str, sizes: list[int], repeats: int, threads: int,
+              transports: list[str] = ()) -> None:
     import torch
     import torch.distributed as dist
 
@@ -87,6 +96,10 @@ def role_rank(rank: int, world: int, master: str, sizes: list[int], repeats: int
         "compressed": C.build_communicator(config=C.RingConfig.from_env(compression="on", codec_threads=threads)),
         "adaptive": C.build_communicator(config=C.RingConfig.from_env(compression="auto", codec_threads=threads)),
     }
+    for t in transports:
+        comms[f"compressed_{t}"] = C.build_communicator(
+            config=C.RingConfig.from_env(compression="on", codec_threads=threads, transport=t))
+    MODES = modes_for(transports)
 
     def run(mode, x):
         if mode in ("gloo", "gloo_again"):
@@ -105,7 +118,9 @@ def role_rank(rank: int, world: int, master: str, sizes: list[int], repeats: int
         t0 = time.perf_counter()
         run("gloo", x)
         t_gloo = time.perf_counter() - t0
-        run("compressed", x)
+        for mode in MODES:
+            if mode.startswith("compressed"):
+                run(mode, x)
         a = comms["adaptive"].stats
         warm_paths = []
         for _ in range(2 + 2 * explore):
@@ -144,6 +159,7 @@ def role_rank(rank: int, world: int, master: str, sizes: list[int], repeats: int
         pol = comms["adaptive"].policy
         info = {"threshold_bytes": pol.threshold("bfloat16") if pol.m else None,
                 "policy": pol.describe("bfloat16") if pol.m else None}
+        info["transport"] = comms["compressed"].config.transport
         print("RESULT " + json.dumps({"rows": rows, "adaptive": info}), flush=True)
     for c in comms.values():
         c.close()
@@ -152,7 +168,8 @@ def role_rank(rank: int, world: int, master: str, sizes: list[int], repeats: int
 
 # ---- the orchestrator ----
 
-def run_rate(link, rate: str, sizes: list[int], repeats: int, threads: int, pin: bool = False) -> dict:
+def run_rate(link, rate: str, sizes: list[int], repeats: int, threads: int, pin: bool = False,
+             transports: list[str] = ()) -> dict:
     from benchmarks.netns import ADDR, DEV
 
     link.set_rate(rate)
@@ -162,14 +179,17 @@ def run_rate(link, rate: str, sizes: list[int], repeats: int, threads: int, pin:
         # One torch thread per rank: the two ranks stand for two hosts but share this
         # machine's cores, and torch's idle OpenMP workers spin on the core the other rank's
         # codec needs (measured: decode+reduce 0.03 GB/s with 2 threads each, 0.28 with 1).
+        # UCX: TCP over the veth only (its default would use shared memory between two
+        # processes of one host, bypassing the link under test).
         env = dict(os.environ, GLOO_SOCKET_IFNAME=DEV[side], PYTHONPATH=str(Path(__file__).resolve().parents[1]),
-                   OMP_NUM_THREADS="1")
+                   OMP_NUM_THREADS="1", UCX_TLS="tcp", UCX_NET_DEVICES=DEV[side])
         # --pin: one core per rank, as if on two hosts (the kernel's network work still
         # lands on either).
         taskset = ["taskset", "-c", str(rank)] if pin else []
         procs.append(link.popen(side, taskset + ME + ["--role", "rank", "--rank", str(rank), "--world", "2", "--master",
                                             master, "--sizes", ",".join(map(str, sizes)), "--repeats",
-                                            str(repeats), "--threads", str(threads)],
+                                            str(repeats), "--threads", str(threads),
+                                            "--transports", ",".join(transports)],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
     try:
         out, err = procs[0].communicate(timeout=3000)
@@ -189,7 +209,8 @@ def run_rate(link, rate: str, sizes: list[int], repeats: int, threads: int, pin:
             p.wait(10)
 
 
-def run(rates: list[str], repeats: int, max_mib: int, threads: int, out_dir: Path, pin: bool = False) -> dict:
+def run(rates: list[str], repeats: int, max_mib: int, threads: int, out_dir: Path, pin: bool = False,
+        transports: list[str] = ()) -> dict:
     from benchmarks.netns import RateLimitedLink, default_burst
 
     sizes = sizes_bytes(max_mib)
@@ -197,7 +218,7 @@ def run(rates: list[str], repeats: int, max_mib: int, threads: int, out_dir: Pat
     load_before = os.getloadavg()
     with RateLimitedLink() as link:
         for rate in rates:
-            res = run_rate(link, rate, sizes, repeats, threads, pin)
+            res = run_rate(link, rate, sizes, repeats, threads, pin, transports)
             adaptive[rate] = res["adaptive"]
             for r in res["rows"]:
                 r["rate"] = rate
@@ -206,7 +227,9 @@ def run(rates: list[str], repeats: int, max_mib: int, threads: int, out_dir: Pat
         g = next(p for p in rows if p["rate"] == r["rate"] and p["nbytes"] == r["nbytes"] and p["mode"] == "gloo")
         r["speedup_vs_gloo"] = g["seconds"] / r["seconds"]
     result = {"benchmark": "allreduce_link", "machine": machine.describe(), "repeats": repeats, "world": 2,
-              "codec_threads": threads, "pinned": pin, "load_before": load_before, "load_after": os.getloadavg(),
+              "codec_threads": threads, "pinned": pin, "transports": list(transports),
+              "default_transport": next(iter(adaptive.values()))["transport"], "load_before": load_before,
+              "load_after": os.getloadavg(),
               "data": "Gemma-3-270M bf16 activations (hidden states + KV cache), tiled; rank-rotated",
               "adaptive": adaptive, "rows": rows,
               "tbf_burst": {rate: default_burst(rate) for rate in adaptive}}
@@ -214,6 +237,8 @@ def run(rates: list[str], repeats: int, max_mib: int, threads: int, out_dir: Pat
     (out_dir / "allreduce_link.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(rows, out_dir / "allreduce_link.png", result)
     print(table(rows))
+    if transports:
+        print(transport_table(rows, transports))
     return result
 
 
@@ -235,6 +260,19 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
+def transport_table(rows, transports) -> str:
+    """The A/B of hop transports: each compressed_T mode's speed-up over gloo's all-reduce."""
+    lines = [f"{'link':7} {'size':>8} {'gloo ms':>8} " + " ".join(f"{'x gloo ' + t:>12}" for t in transports)
+             + f" {'A/A':>5}"]
+    for rate in dict.fromkeys(r["rate"] for r in rows):
+        for nb in dict.fromkeys(r["nbytes"] for r in rows if r["rate"] == rate):
+            get = {r["mode"]: r for r in rows if r["rate"] == rate and r["nbytes"] == nb}
+            lines.append(f"{rate:7} {_size(nb):>8} {get['gloo']['seconds'] * 1e3:8.2f} "
+                         + " ".join(f"{get['compressed_' + t]['speedup_vs_gloo']:12.2f}" for t in transports)
+                         + f" {get['gloo_again']['speedup_vs_gloo']:5.2f}")
+    return "\n".join(lines)
+
+
 def plot(rows, path: Path, result) -> None:
     import matplotlib
 
@@ -244,7 +282,7 @@ def plot(rows, path: Path, result) -> None:
     rates = list(dict.fromkeys(r["rate"] for r in rows))
     fig, axes = plt.subplots(1, len(rates), figsize=(6.5 * len(rates), 4.5), squeeze=False)
     for ax, rate in zip(axes[0], rates):
-        for mode in MODES:
+        for mode in dict.fromkeys(r["mode"] for r in rows):
             pts = sorted((r["nbytes"], r["speedup_vs_gloo"]) for r in rows if r["rate"] == rate and r["mode"] == mode)
             ax.plot([p[0] / 2**20 for p in pts], [p[1] for p in pts], marker="o", label=mode)
         ax.axhline(1.0, color="k", lw=0.8)
@@ -269,6 +307,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-mib", type=int, default=64)
     p.add_argument("--threads", type=int, default=1, help="codec threads per call")
     p.add_argument("--pin", action="store_true", help="rank 0 on core 0, rank 1 on core 1")
+    p.add_argument("--transports", default="",
+                   help="also time the compressed ring over each of these hop transports (gloo,ucx,tcp)")
     p.add_argument("--rank", type=int)
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--master")
@@ -277,10 +317,12 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if a.role == "rank":
-        role_rank(a.rank, a.world, a.master, [int(s) for s in a.sizes.split(",")], a.repeats, a.threads)
+        role_rank(a.rank, a.world, a.master, [int(s) for s in a.sizes.split(",")], a.repeats, a.threads,
+                  [t for t in a.transports.split(",") if t])
         release_process_groups()
     else:
-        run(a.rates.split(","), a.repeats, a.max_mib, a.threads, a.out, a.pin)
+        run(a.rates.split(","), a.repeats, a.max_mib, a.threads, a.out, a.pin,
+            [t for t in a.transports.split(",") if t])
     return 0
 
 
