@@ -94,11 +94,12 @@ class RingConfig:
     #: calls per path in such a trial; 0 trusts the model everywhere.
     #: (UZIP_ALLREDUCE_EXPLORE_CALLS)
     explore_calls: int = 4
-    #: what carries the CPU ring's hops: "gloo" (torch.distributed isend/irecv on the
-    #: group), "tcp" (sockets of its own, a sender and a receiver thread per neighbour) or
-    #: "ucx" (ucxx tag messages, UCX's own progress thread). The CUDA backend ignores it
-    #: (NCCL). (UZIP_ALLREDUCE_TRANSPORT)
-    transport: str = "gloo"
+    #: what carries the CPU ring's hops: "tcp" (sockets of its own, a sender and a receiver
+    #: thread per neighbour), "ucx" (ucxx tag messages, UCX's own progress thread) or
+    #: "gloo" (torch.distributed isend/irecv on the group). tcp by default: at 1 Gbit/s it
+    #: took the 4 MiB all-reduce from 1.23-1.32x gloo's to 1.38-1.42x (docs/collectives.md).
+    #: The CUDA backend ignores it (NCCL). (UZIP_ALLREDUCE_TRANSPORT)
+    transport: str = "tcp"
     #: ucx / tcp: a hop that makes no progress for this long raises CollectivePeerError.
     #: (UZIP_ALLREDUCE_DEADLINE_S)
     deadline_s: float = 300.0

@@ -7,7 +7,7 @@ same dtype and element count, or the ranks hang or raise `CollectiveError`.
 
 Backends (registered by name in uzip_serve/collectives/__init__.py, imported lazily):
 
-  gloo   CPU tensors on a gloo group; the ring's hops over TCP sockets of its own,
+  gloo   CPU tensors on a gloo group; the ring's hops over TCP sockets of its own (default),
          UCX, or torch.distributed point-to-point on the group (RingConfig.transport)
   cuda   CUDA tensors, the GPU codec plus NCCL send/recv (untested on multi-GPU)
 """

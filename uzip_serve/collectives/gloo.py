@@ -1,5 +1,5 @@
-"""CPU backend: the C codec, compressed bytes between ring neighbours over
-torch.distributed point-to-point on the gloo group, TCP sockets of the ring's own, or UCX
+"""CPU backend: the C codec, compressed bytes between ring neighbours over TCP sockets of
+the ring's own (default), UCX, or torch.distributed point-to-point on the gloo group
 (`RingConfig.transport`; transports.py). Messages are uint8 tensors (a size header, then
 the frame); nothing is pickled."""
 
