@@ -210,35 +210,25 @@ _HELLO_MAGIC = b"UZARTCP1"
 
 
 class _SockWork:
-    __slots__ = ("_done", "_error", "buf", "what", "nbytes")
+    __slots__ = ("_done", "_error", "buf", "what", "deadline_s")
 
-    def __init__(self, buf, what: str):
+    def __init__(self, buf, what: str, deadline_s: float):
         self._done = threading.Event()
         self._error: BaseException | None = None
         self.buf = buf  # a writable/readable memoryview of the tensor (kept alive here)
         self.what = what
-        self.nbytes = 0
+        self.deadline_s = deadline_s
 
     def finish(self, error: BaseException | None = None) -> None:
         if not self._done.is_set():
             self._error = error
             self._done.set()
 
-    def wait_for(self, deadline_s: float) -> None:
-        if not self._done.wait(deadline_s):
-            raise CollectivePeerError(f"{self.what}: no progress within {deadline_s:g} s (peer stuck or gone)")
+    def wait(self) -> None:
+        if not self._done.wait(self.deadline_s):
+            raise CollectivePeerError(f"{self.what}: no progress within {self.deadline_s:g} s (peer stuck or gone)")
         if self._error is not None:
             raise self._error
-
-
-class _BoundWork:
-    __slots__ = ("_w", "_deadline")
-
-    def __init__(self, w: _SockWork, deadline_s: float):
-        self._w, self._deadline = w, deadline_s
-
-    def wait(self) -> None:
-        self._w.wait_for(self._deadline)
 
 
 def _local_address(group) -> str:
@@ -346,20 +336,22 @@ class SocketP2P:
             self.close()
             raise
 
-    def isend(self, buf, peer: int, tag: int) -> _BoundWork:
+    def isend(self, buf, peer: int, tag: int) -> _SockWork:
         st = self._state
-        w = _SockWork(memoryview(_as_numpy(buf)).cast("B"), f"rank {self.rank}: send of tag {tag} to rank {peer}")
+        w = _SockWork(memoryview(_as_numpy(buf)).cast("B"), f"rank {self.rank}: send of tag {tag} to rank {peer}",
+                      self.deadline_s)
         if st["closed"] or peer not in st["send_queues"]:
             w.finish(CollectivePeerError(f"{w.what}: the transport is closed or has no link to that rank"))
         else:
             with st["qcond"]:
                 st["send_queues"][peer].append((tag, w))
                 st["qcond"].notify()
-        return _BoundWork(w, self.deadline_s)
+        return w
 
-    def irecv(self, buf, peer: int, tag: int) -> _BoundWork:
+    def irecv(self, buf, peer: int, tag: int) -> _SockWork:
         st = self._state
-        w = _SockWork(memoryview(_as_numpy(buf)).cast("B"), f"rank {self.rank}: receive of tag {tag} from rank {peer}")
+        w = _SockWork(memoryview(_as_numpy(buf)).cast("B"), f"rank {self.rank}: receive of tag {tag} from rank {peer}",
+                      self.deadline_s)
         with st["cond"]:
             dead = st["dead"].get(peer)
             if dead is not None or st["closed"] or peer not in st["posted"]:
@@ -367,7 +359,7 @@ class SocketP2P:
             else:
                 st["posted"][peer].setdefault(tag, collections.deque()).append(w)
                 st["cond"].notify_all()
-        return _BoundWork(w, self.deadline_s)
+        return w
 
     def close(self) -> None:
         self._finalizer()
@@ -440,7 +432,6 @@ def _receiver(st: dict, sock: socket.socket, peer: int, rank: int) -> None:
             cap = len(w.buf)
             if n <= cap:
                 _recv_into_exact(sock, w.buf[:n])
-                w.nbytes = n
                 w.finish()
             else:  # the header still arrives (the engine names the mismatch); the rest is dropped
                 _recv_into_exact(sock, w.buf)
