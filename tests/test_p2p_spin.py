@@ -7,6 +7,7 @@ import asyncio
 import threading
 
 import pytest
+import torch
 
 from uzip_serve.p2p import loop
 from uzip_serve.p2p import ucx
@@ -118,9 +119,19 @@ def test_the_ucx_loop_spins_while_held_and_for_its_linger_only(monkeypatch):
 
 def test_only_same_host_gpu_transfers_spin(monkeypatch):
     cfg = TransportConfig()
-    ep = ucx.Endpoint.__new__(ucx.Endpoint)  # just the policy methods, no UCX
+    ep = ucx.Endpoint.__new__(ucx.Endpoint)  # just the call planning, no UCX
     ep.config = cfg
-    assert ep.caller_spin(False) == 0.0 and ep.caller_spin(True) == cfg.caller_spin_s > 0
+
+    def spin_of(call):
+        coro, spin = call
+        coro.close()  # planned, never run
+        return spin
+
+    assert spin_of(ep.send_call({"w": torch.zeros(4)})) == 0.0
+    # A receiving process that uses CUDA counts as a GPU receiver (split_send.uses_cuda).
+    assert spin_of(ep.recv_call(into={"w": torch.zeros(4)})) == (cfg.caller_spin_s if torch.cuda.is_initialized()
+                                                                  else 0.0)
+    assert spin_of(ep.recv_call(device="cuda")) == cfg.caller_spin_s > 0
     # Not started in blocking mode (or not started): the UCX loop never spins.
     monkeypatch.setattr(ucx, "_started_with", None)
     assert not ucx._spins(cfg)

@@ -9,6 +9,7 @@ as they like, or no loop at all (the sync facade).
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 
 _loop: asyncio.AbstractEventLoop | None = None
@@ -80,19 +81,14 @@ async def _spin_then_await(fut, spin_s: float):
     return await asyncio.wrap_future(fut)
 
 
-_spin_wait_fn = None
-
-
+@functools.cache
 def _spin_wait():
     """spin_wait from the C extension; None (and no spinning) where it was not built."""
-    global _spin_wait_fn
-    if _spin_wait_fn is None:
-        try:
-            from uzip_serve.p2p._spin import spin_wait
-        except ImportError:
-            spin_wait = False
-        _spin_wait_fn = spin_wait
-    return _spin_wait_fn or None
+    try:
+        from uzip_serve.p2p._spin import spin_wait
+    except ImportError:
+        return None
+    return spin_wait
 
 
 def cancel_quietly(futures) -> None:

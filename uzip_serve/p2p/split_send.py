@@ -486,8 +486,6 @@ async def _recv_tensors(channel, config, executor, into, relay: _Relay, ipc=None
     loop = asyncio.get_running_loop()
     if config.compression != "off" and uses_cuda(into, device):  # compressed chunks get decoded on the GPU
         await _load_gpu_codec(_gpu_codec(), torch.cuda.current_device(), executor)
-    if uses_cuda(into, device) and hasattr(channel, "gpu_spin_touch"):
-        channel.gpu_spin_touch()  # a GPU sender's header may be on its way: see _gpu_spin
     t_start = time.perf_counter()
     head = bytearray(proto.TRANSFER_HEADER.size)
     await channel.recv(head)

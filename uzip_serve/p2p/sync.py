@@ -3,7 +3,7 @@ background event loop per process (UCX progress happens there)."""
 
 from __future__ import annotations
 
-from uzip_serve.p2p import cuda_ipc, split_send, ucx
+from uzip_serve.p2p import ucx
 from uzip_serve.p2p.config import TransportConfig
 from uzip_serve.p2p.loop import run, ucx_loop
 
@@ -22,13 +22,12 @@ class SyncEndpoint:
 
     def send_tensors(self, tensors):
         # The stream is read here: the coroutine runs on the UCX loop's thread.
-        items = split_send.named_items(tensors)
-        return run(self._ep.send_tensors(items, stream=cuda_ipc.caller_stream()),
-                   spin_s=self._ep.caller_spin(split_send.on_one_gpu(items)))
+        coro, spin = self._ep.send_call(tensors)
+        return run(coro, spin_s=spin)
 
     def recv_tensors(self, into=None, device=None):
-        return run(self._ep.recv_tensors(into, device=device, stream=cuda_ipc.caller_stream()),
-                   spin_s=self._ep.caller_spin(split_send.uses_cuda(into, device)))
+        coro, spin = self._ep.recv_call(into, device=device)
+        return run(coro, spin_s=spin)
 
     def send_bytes(self, data: bytes) -> None:
         run(self._ep.send_bytes(data))

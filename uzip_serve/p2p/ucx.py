@@ -263,25 +263,21 @@ class Endpoint:
         """A context within which UCX is progressed continuously (a same-host GPU transfer)."""
         return _spin.held(self.config.gpu_spin_s) if _spins(self.config) else contextlib.nullcontext()
 
-    def caller_spin(self, gpu: bool) -> float:
-        """How long a caller on another thread spins for a transfer (TransportConfig.caller_spin_s)."""
-        return self.config.caller_spin_s if gpu else 0.0
-
-    def gpu_spin_touch(self) -> None:
-        """Progress continuously for gpu_spin_s (a GPU receiver waiting for a header)."""
-        if _spins(self.config):
-            _spin.touch(self.config.gpu_spin_s)
 
     # -- transfers --
     async def send_tensors(self, tensors, *, stream=None) -> TransferStats:
         """Sends a mapping (or iterable of (name, tensor)) as one transfer. Returns once the
         peer verified all of it. CUDA tensors are read after the pending work of `stream`
         (default: the caller's current CUDA stream)."""
-        # Taken here, in the caller's thread: torch's current stream is thread-local and the
-        # work hops to the UCX loop's thread.
+        return await on_ucx_loop(*self.send_call(tensors, stream))
+
+    def send_call(self, tensors, stream=None):
+        """(the coroutine to run on the UCX loop, how long its caller may spin for it). Made in
+        the caller's thread: torch's current stream is thread-local, and a transfer between
+        GPUs of this host is short enough to wait for without sleeping (caller_spin_s)."""
         items = split_send.named_items(tensors)
-        spin = self.caller_spin(split_send.on_one_gpu(items))
-        return await on_ucx_loop(self._send_tensors(items, stream or cuda_ipc.caller_stream()), spin)
+        spin = self.config.caller_spin_s if split_send.on_one_gpu(items) else 0.0
+        return self._send_tensors(items, stream or cuda_ipc.caller_stream()), spin
 
     async def _send_tensors(self, tensors, stream=None) -> TransferStats:
         try:
@@ -299,10 +295,17 @@ class Endpoint:
         """Receives one transfer: a new dict of tensors (on `device`, default CPU), or written
         into `into`'s tensors. `forward` relays it, cut-through, to other endpoints (see split_send).
         CUDA IPC copies run on `stream` (default: the caller's current CUDA stream)."""
-        spin = self.caller_spin(split_send.uses_cuda(into, device))
-        return await on_ucx_loop(self._recv_tensors(into, forward, device, stream or cuda_ipc.caller_stream()), spin)
+        return await on_ucx_loop(*self.recv_call(into, forward, device, stream))
 
-    async def _recv_tensors(self, into, forward, device=None, stream=None) -> dict:
+    def recv_call(self, into=None, forward=(), device=None, stream=None):
+        """As send_call, for a receive."""
+        gpu = split_send.uses_cuda(into, device)
+        spin = self.config.caller_spin_s if gpu else 0.0
+        return self._recv_tensors(into, forward, device, stream or cuda_ipc.caller_stream(), gpu), spin
+
+    async def _recv_tensors(self, into, forward, device=None, stream=None, gpu: bool = False) -> dict:
+        if gpu and _spins(self.config):
+            _spin.touch(self.config.gpu_spin_s)  # a GPU sender's header may be on its way
         prepost = None if forward else ucx_cuda.PrePost.start(self, self._cuda_route, into, stream,
                                                                self.config.deadline_s)
         try:
