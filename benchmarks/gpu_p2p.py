@@ -6,6 +6,10 @@ plain ucxx as found (issue 11; docs/gpu_p2p.md).
     python -m benchmarks.gpu_p2p [--sizes-mib 16 256 1024] [--out docs/benchmarks]
     python -m benchmarks.gpu_p2p --diagnose --out DIR     # what UCX does: ucx_info, ucx_perftest, PROTO_INFO
 
+Endpoints take UZIP_P2P_* settings from the environment (UZIP_P2P_GPU_SPIN_S=0 ... is how the
+spins were A/B-tested). UZIP_BENCH_NO_WARM_CODEC / UZIP_BENCH_WARM_CODEC_ALWAYS skip or force
+the GPU codec's warm-up in both processes (how the process-pair spread was told apart from it).
+
 GB/s counts the tensor's bytes once, over the wall time of one transfer as the sender sees
 it (from the call until the receiver confirmed its copy), median of several. Each process
 holds its buffers across repetitions, as a weight push or KV transfer would.
@@ -246,9 +250,8 @@ def bench_ours(sizes, compression, dest="cuda", cuda_ipc="auto", cuda_ucx="auto"
                 prof.stop()
             _, _, ok, preposted = q.get(timeout=300)
             med = statistics.median(times)
-            spin = p2p.TransportConfig.from_env(**cfg)
             out[nbytes] = {"gbps": nbytes / med / 1e9, "median_s": med, "min_s": min(times), "exact": bool(ok),
-                           "gpu_spin_s": spin.gpu_spin_s, "caller_spin_s": spin.caller_spin_s,
+                           "gpu_spin_s": ep.config.gpu_spin_s, "caller_spin_s": ep.config.caller_spin_s,
                            "receiver_preposted": f"{preposted} of {len(times) + 2}",
                            "path": stats.path, "ratio": stats.ratio, "chunks_compressed": stats.chunks_compressed,
                            "decision": stats.decisions[-1].reason if stats.decisions else None}
