@@ -109,10 +109,20 @@ def load_real(path: str | None) -> dict[str, torch.Tensor]:
     return out
 
 
+def capacity(x: torch.Tensor) -> int:
+    """Frame buffer bytes for x: max_compressed_size for the block size the GPU encoder will
+    take, which $UZIP_GPU_BLOCK_ELEMS (--sweep) may set below the default bound's."""
+    from uzip_serve import format as fmt
+    from uzip_serve.kernels import cuda as kc
+
+    return fmt.max_compressed_size(x.numel() * x.element_size(), str(x.dtype).removeprefix("torch."),
+                                   block_elems=kc.encoder_block_elems(x.numel()))
+
+
 def ours(xs, repeats: int, check_cpu: bool, graphs: bool) -> dict:
     x = xs[0]
     nbytes = x.numel() * x.element_size()
-    cap = uz.max_compressed_size(nbytes, x.dtype)
+    cap = capacity(x)
     outs = [torch.empty(cap, dtype=torch.uint8, device="cuda") for _ in xs]
     size = torch.zeros(1, dtype=torch.int64, device="cuda")
     sizes = [codec.compress_device(xi, oi) for xi, oi in zip(xs, outs)]
@@ -128,6 +138,7 @@ def ours(xs, repeats: int, check_cpu: bool, graphs: bool) -> dict:
         exact &= torch.equal(uz.decompress(uz.compress(x.cpu()), device="cuda").view(torch.uint8), x.view(torch.uint8))
     k = len(xs)
     res = {"ratio": sizes[0] / nbytes, "exact": bool(exact), "substream": hdrs[0].substream_elems,
+           "block_elems": hdrs[0].block_elems,
            "c_ms": time_ms(lambda r: codec.compress_device_async(xs[r % k], outs[r % k], size), repeats),
            "d_ms": time_ms(lambda r: codec.decompress_device(outs[r % k][:sizes[r % k]], header=hdrs[r % k],
                                                               out=ys[r % k], check=False), repeats)}
@@ -295,6 +306,9 @@ def main(argv=None):
     ap.add_argument("--profile", action="store_true", help="per-kernel GPU times at 1 MiB and 256 MiB")
     ap.add_argument("--once", type=int, metavar="MIB",
                     help="one warm-up, then one compress and one decompress of MIB of bf16: a target for ncu")
+    ap.add_argument("--sweep", metavar="BE:S,...",
+                    help="block and sub-stream sizes to compare (graph times and ratio, bf16 N(0, 0.02) and "
+                         "Gemma-3 weights), e.g. 4096:128,65536:256; writes codec_gpu_sweep.json")
     ap.add_argument("--phases", action="store_true",
                     help="cycles per kernel phase (needs UZIP_CUDA_CUBIN built with -DUZ_PHASES)")
     args = ap.parse_args(argv)
@@ -306,6 +320,9 @@ def main(argv=None):
         return profile_kernels()
     if args.once:
         return once(args.once * MiB)
+    if args.sweep:
+        return sweep([int(s) * MiB for s in args.sizes.split(",")], args.sweep, args.repeats, args.data,
+                     Path(args.out))
     if args.phases:
         return phases([int(s) * MiB for s in args.sizes.split(",")], args.repeats)
     sizes = [int(s) * MiB for s in args.sizes.split(",")]
@@ -384,7 +401,7 @@ def phases(sizes, repeats):
     acc = cupy.ndarray((2, 16), dtype=cupy.uint64, memptr=gpu._rt.module(0).get_global("uz_phase_cycles"))
     for size in sizes:
         x = (torch.randn(size // 2, device="cuda") * 0.02).to(torch.bfloat16)
-        out = torch.empty(uz.max_compressed_size(size, x.dtype), dtype=torch.uint8, device="cuda")
+        out = torch.empty(capacity(x), dtype=torch.uint8, device="cuda")
         n = codec.compress_device(x, out)
         hdr = uz.read_header(out[:n].cpu().numpy().tobytes())
         y = torch.empty_like(x)
@@ -405,6 +422,36 @@ def phases(sizes, repeats):
                   f"{blocks / repeats:.0f} blocks per call")
             print("    " + "  ".join(f"{m}={v:.0f}" for m, v in zip(marks, per) if m and v))
         del x, out, y
+
+
+def sweep(sizes, spec: str, repeats: int, data: str, out: Path) -> None:
+    """The capture-safe calls from CUDA graphs for each block:sub-stream setting (through
+    $UZIP_GPU_BLOCK_ELEMS / $UZIP_GPU_SUBSTREAM), with each frame's ratio and a bit-exact check."""
+    import os
+
+    configs = [tuple(int(v) for v in c.split(":")) for c in spec.split(",")]
+    real = load_real(data).get("gemma-weights-bf16")
+    rows = []
+    for size in sizes:
+        torch.manual_seed(0)
+        sets = {"normal-bf16": (torch.randn(size // 2, device="cuda") * 0.02).to(torch.bfloat16)}
+        if real is not None:
+            sets["gemma-weights-bf16"] = tile(real.cuda(), size)
+        for name, x0 in sets.items():
+            xs = [x0] + [x0.roll(i * 4099) for i in range(1, 4)]
+            for be, ss in configs:
+                os.environ["UZIP_GPU_BLOCK_ELEMS"], os.environ["UZIP_GPU_SUBSTREAM"] = str(be), str(ss)
+                try:
+                    r = ours(xs, repeats, check_cpu=False, graphs=True)
+                finally:
+                    del os.environ["UZIP_GPU_BLOCK_ELEMS"], os.environ["UZIP_GPU_SUBSTREAM"]
+                row = {"data": name, "bytes": size, "block_elems": be, "substream": ss, **r}
+                rows.append(row)
+                print(f"{name:20s} {size // MiB:5d} MiB  be={be:6d} S={ss:5d}  ratio={r['ratio']:.4f}  "
+                      f"graph c/d/c+d = {r['graph_c_ms'] * 1e3:6.1f} / {r['graph_d_ms'] * 1e3:6.1f} / "
+                      f"{r['graph_cd_ms'] * 1e3:6.1f} us  exact={r['exact']}", flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "codec_gpu_sweep.json").write_text(json.dumps({"machine": machine(), "rows": rows}, indent=1))
 
 
 def once(size):

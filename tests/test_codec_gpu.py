@@ -84,6 +84,7 @@ def check_both_ways(gpu, x):
     """GPU frame -> CPU and GPU decoders; CPU frame -> GPU decoder; all bit-exact."""
     gframe = gpu.compress(x)
     fmt.parse_header(gframe, uz.codec.get_backend("cpu").uzh64)
+    assert len(gframe) <= uz.max_compressed_size(x.numel() * x.element_size(), x.dtype)
     y_cpu = uz.decompress(gframe)
     assert y_cpu.dtype == x.dtype and tuple(y_cpu.shape) == tuple(x.shape)
     assert torch.equal(bits(y_cpu), bits(x)), "GPU frame decoded wrong on the CPU"
@@ -141,6 +142,35 @@ def test_real_tensors(gpu, realdata):
     for _, t in items:
         for dt in {t.dtype, torch.bfloat16, torch.float16}:
             check_both_ways(gpu, t.to(dt).contiguous())
+
+
+def test_small_tensors_take_small_blocks(gpu):
+    """Below 256 full blocks the GPU encoder shrinks its blocks (format.small_block_elems) so
+    that many SMs share a small tensor; the frames stay inside max_compressed_size and decode
+    on both sides."""
+    x = random_tensor(torch.bfloat16, 150_000, seed=4, kind="normal")
+    gframe, _ = check_both_ways(gpu, x)
+    h = uz.read_header(gframe)
+    assert h.block_elems == fmt.small_block_elems(150_000) == fmt.SMALL_BLOCK_ELEMS
+    assert h.num_blocks == 37
+
+
+def test_lookback_over_many_windows(gpu, monkeypatch):
+    """71 blocks: the encoder's look-back reads its predecessors 32 at a time and must cross
+    window boundaries. A block size under the default bound needs a buffer sized for it; the
+    default-sized buffer is refused."""
+    monkeypatch.setenv("UZIP_GPU_BLOCK_ELEMS", "256")
+    x = random_tensor(torch.bfloat16, 256 * 70 + 5, seed=6, kind="normal").to(gpu.dev)
+    small = torch.empty(uz.max_compressed_size(x.nbytes, x.dtype), dtype=torch.uint8, device=gpu.dev)
+    with pytest.raises(ValueError, match="at least"):
+        gpu.codec.compress_device(x, small)
+    out = torch.empty(fmt.max_compressed_size(x.nbytes, "bfloat16", block_elems=256), dtype=torch.uint8,
+                      device=gpu.dev)
+    n = gpu.codec.compress_device(x, out)
+    frame = out[:n].cpu().numpy().tobytes()
+    assert uz.read_header(frame).num_blocks == 71
+    assert torch.equal(bits(uz.decompress(frame)), bits(x))
+    assert torch.equal(bits(gpu.decompress(frame)), bits(x))
 
 
 def test_frames_do_not_depend_on_scheduling():

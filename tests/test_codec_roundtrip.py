@@ -186,3 +186,20 @@ def test_header_size_is_pinned():
     assert fmt.TABLE_ENTRY.size == 24
     assert fmt.HASH.size == 8
     assert fmt.FORMAT_VERSION == 2
+
+
+def test_block_size_policy_keeps_the_bound():
+    """GPU frames of small tensors use smaller blocks (format.small_block_elems); the default
+    max_compressed_size must hold for them, hence for the CPU's larger blocks too."""
+    assert fmt.small_block_elems(0) == fmt.small_block_elems(1 << 20) == fmt.SMALL_BLOCK_ELEMS
+    assert fmt.small_block_elems(1 << 22) == 16384
+    assert fmt.small_block_elems(1 << 24) == fmt.small_block_elems(1 << 34) == fmt.DEFAULT_BLOCK_ELEMS
+    prev = 0
+    for numel in [0, 1, 5000, 1 << 20, 3 << 20, 1 << 22, 12345678, 1 << 24, 1 << 26]:
+        be = fmt.small_block_elems(numel)
+        assert be >= prev and be & (be - 1) == 0
+        prev = be
+        for dtype, item in (("bfloat16", 2), ("float32", 4), ("uint8", 1)):
+            bound = uz.max_compressed_size(numel * item, dtype)
+            assert bound == fmt.max_compressed_size(numel * item, dtype, block_elems=be)
+            assert bound >= fmt.max_compressed_size(numel * item, dtype, block_elems=fmt.DEFAULT_BLOCK_ELEMS)

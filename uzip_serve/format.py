@@ -45,6 +45,10 @@ MAX_BLOCK_ELEMS = 65536  # keeps every sub-stream offset inside a u16
 MIN_SUBSTREAM_ELEMS = 64
 DEFAULT_BLOCK_ELEMS = 65536
 DEFAULT_SUBSTREAM_ELEMS = 1024
+# The GPU encoder codes a block per CUDA block. For small tensors it takes smaller blocks, down
+# to this, so that about PARALLEL_BLOCKS of them keep an H200's 132 SMs busy (small_block_elems).
+SMALL_BLOCK_ELEMS = 4096
+PARALLEL_BLOCKS = 256
 # Refuse to allocate more than this for one decoded tensor, whatever a header claims.
 MAX_DECODED_NBYTES = 1 << 46
 
@@ -173,6 +177,17 @@ def num_blocks(numel: int, block_elems: int) -> int:
     return -(-numel // block_elems)
 
 
+def small_block_elems(numel: int) -> int:
+    """Elements per block of a GPU-made frame of `numel` elements: DEFAULT_BLOCK_ELEMS, or for
+    tensors of fewer than PARALLEL_BLOCKS such blocks the power of two that gives about that
+    many blocks, never below SMALL_BLOCK_ELEMS. At 65536-element blocks a 1 MiB bf16 tensor is
+    8 blocks, so 8 of 132 SMs would do all the work while the rest idle (docs/gpu.md). Depends
+    on the tensor alone, never on the GPU, so a tensor's frame is the same bytes everywhere."""
+    want = max(1, numel // PARALLEL_BLOCKS)
+    be = 1 << (want.bit_length() - 1)  # the power of two at or below it
+    return max(SMALL_BLOCK_ELEMS, min(DEFAULT_BLOCK_ELEMS, be))
+
+
 def align16(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
@@ -187,16 +202,19 @@ def payload_offset(ndim: int, nblocks: int) -> int:
 
 
 def max_compressed_size(nbytes: int, dtype: str, *, ndim: int = MAX_NDIM,
-                        block_elems: int = DEFAULT_BLOCK_ELEMS) -> int:
+                        block_elems: int | None = None) -> int:
     """Upper bound on the frame size for a tensor of `nbytes` bytes of `dtype`.
 
     A block never takes more than a RAW block (the encoder falls back to one): 16 bytes of
-    mode and padding, its bytes, and padding to 16; only the last block can be short.
+    mode and padding, its bytes, and padding to 16; only the last block can be short. By
+    default the bound holds for every encoder of this build: the GPU encoder's blocks
+    (small_block_elems) are the smallest, and fewer, larger blocks only lower the size.
     """
     dt = dtype_by_name(dtype)
     if nbytes < 0 or nbytes % dt.itemsize:
         raise ValueError(f"nbytes={nbytes} is not a whole number of {dtype} elements")
-    nblocks = num_blocks(nbytes // dt.itemsize, block_elems)
+    numel = nbytes // dt.itemsize
+    nblocks = num_blocks(numel, small_block_elems(numel) if block_elems is None else block_elems)
     return payload_offset(ndim, nblocks) + nbytes + ALIGN * nblocks + (ALIGN - 1)
 
 

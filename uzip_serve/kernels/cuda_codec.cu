@@ -125,6 +125,29 @@ __device__ u64 block_sum(u64 v, u64 *red) {
     return t;
 }
 
+/* Two sums over the CUDA block in one barrier round, for thread 0 only (the two hashes at the
+ * end of a block, where nothing else waits on them). `red`: 2 * NW words. */
+__device__ void block_sum2(u64 &a, u64 &b, u64 *red) {
+    for (int o = 16; o; o >>= 1) {
+        a += __shfl_xor_sync(0xffffffffu, a, o);
+        b += __shfl_xor_sync(0xffffffffu, b, o);
+    }
+    __syncthreads(); /* red may still be read from a previous call */
+    const u32 nw = blockDim.x / 32;
+    if ((threadIdx.x & 31) == 0) {
+        red[threadIdx.x >> 5] = a;
+        red[nw + (threadIdx.x >> 5)] = b;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        a = b = 0;
+        for (u32 i = 0; i < nw; i++) {
+            a += red[i];
+            b += red[nw + i];
+        }
+    }
+}
+
 __device__ __forceinline__ uint4 zero4() { return make_uint4(0u, 0u, 0u, 0u); }
 
 /* Bytes [0, valid) of the 16 at p, the rest zero: the tail of a tensor, which may end
@@ -347,12 +370,13 @@ __device__ void build_lengths(CodeTables &ct, int n, u32 *w, u16 *up, u32 *depth
             depth[tid] = d = nd;
             up[tid] = (u16)(a = na);
         }
-        __syncthreads();
+        /* done once every node points at the root (typically after 4 of the 7 rounds) */
+        if (!__syncthreads_or(tid < nodes && a != (u32)root)) break;
     }
-    if (tid < n) atomicAdd(&count[d < 63 ? d : 63], 1u);
+    /* lengths over the limit count as the limit; the repair below fixes the Kraft sum */
+    if (tid < n) atomicAdd(&count[d < MAX_CODE_LEN ? d : MAX_CODE_LEN], 1u);
     __syncthreads();
     if (tid == 0) {
-        for (int l = MAX_CODE_LEN + 1; l < 64; l++) count[MAX_CODE_LEN] += count[l];
         u32 kraft = 0;
         for (int l = 1; l <= MAX_CODE_LEN; l++) kraft += count[l] << (MAX_CODE_LEN - l);
         while (kraft > LUT_SIZE) {
@@ -640,7 +664,7 @@ struct EncShared {
     u32 used_mask[8];
     u32 sbytes[LUT_SIZE / 2]; /* per sub-stream bytes, then their start offsets (k <= 1024) */
     u32 wsum[NW];
-    u64 red[NW];
+    u64 red[2 * NW];
     __align__(16) u8 hdr[HDR_BYTES]; /* mode byte and plane headers, zero padded */
     u32 data_off[16];
     u32 ticket, nused, plane_mode, value, lo, hi, k, huff_total, hdr_nbytes, ends_off, size, raw_block;
@@ -673,26 +697,35 @@ __device__ u32 block_scan(u32 *a, u32 n, u32 *wsum) {
 
 /* A block's payload offset from the sizes of the blocks before it: the decoupled look-back
  * of single-pass prefix sums. status[i] holds block i's size (AGG) or its inclusive prefix
- * (INCL); tickets make every lower block resident or done, so the wait ends. Thread 0. */
+ * (INCL); tickets make every lower block resident or done, so the wait ends. Warp 0 reads 32
+ * predecessors at once: with one thread, a small frame's many blocks (format.small_block_elems)
+ * made a chain of up to a hundred dependent L2 loads. Every lane returns the offset. */
 __device__ u64 lookback(u64 *status, u32 b, u64 size) {
     volatile u64 *st = status;
+    const u32 lane = threadIdx.x & 31;
     if (b == 0) {
-        st[0] = LOOKBACK_INCL | size;
+        if (lane == 0) st[0] = LOOKBACK_INCL | size;
         return 0;
     }
-    st[b] = LOOKBACK_AGG | size;
+    if (lane == 0) st[b] = LOOKBACK_AGG | size;
     u64 acc = 0;
-    for (u32 i = b - 1;;) {
-        u64 v = st[i];
-        if (!(v >> 62)) {
+    for (long long top = (long long)b - 1;;) {
+        const long long i = top - (long long)lane; /* lane 0 is the nearest predecessor */
+        const u64 v = i >= 0 ? st[i] : LOOKBACK_INCL; /* before block 0: a prefix of 0 */
+        const u32 incl = __ballot_sync(0xffffffffu, (v >> 62) == 2);
+        const u32 ready = __ballot_sync(0xffffffffu, (v >> 62) != 0);
+        const u32 need = incl ? ((incl & (0u - incl)) << 1) - 1u : 0xffffffffu; /* lanes up to the nearest INCL */
+        if ((ready & need) != need) {
             __nanosleep(64);
             continue;
         }
-        acc += v & LOOKBACK_VALUE;
-        if ((v >> 62) == 2) break;
-        i--;
+        u64 x = (need >> lane) & 1u ? v & LOOKBACK_VALUE : 0ull;
+        for (int o = 16; o; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+        acc += x;
+        if (incl) break;
+        top -= 32;
     }
-    st[b] = LOOKBACK_INCL | (acc + size);
+    if (lane == 0) st[b] = LOOKBACK_INCL | (acc + size);
     return acc;
 }
 
@@ -1008,7 +1041,11 @@ __device__ void enc_block(const u8 *src, u64 numel, u32 be, u32 S, u8 *out, u64 
             }
         }
         PHASE(0, 5);
-        sm.base = lookback(state + 3, b, sm.size);
+    }
+    if (warp == 0) {
+        __syncwarp();
+        const u64 base = lookback(state + 3, b, sm.size);
+        if (lane == 0) sm.base = base;
     }
     __syncthreads();
     PHASE(0, 6);
@@ -1078,8 +1115,7 @@ __device__ void enc_block(const u8 *src, u64 numel, u32 be, u32 S, u8 *out, u64 
 
     /* 6. the table entry, the table's share of the header hash, and the header if last */
     PHASE(0, 9);
-    h_orig = block_sum(h_orig, sm.red);
-    h_pay = block_sum(h_pay, sm.red);
+    block_sum2(h_orig, h_pay, sm.red);
     if (tid == 0) {
         u64 ent[3] = {sm.base + size, h_orig + (u64)nbytes * UZH_LENGTH_MUL, h_pay + (u64)size * UZH_LENGTH_MUL};
         u64 at = table_off + 24ull * b, share = 0;
@@ -1102,7 +1138,7 @@ __device__ void enc_block(const u8 *src, u64 numel, u32 be, u32 S, u8 *out, u64 
 struct __align__(16) DecShared {
     CodeTables ct;
     PlaneDesc pd[17];
-    u64 red[NW];
+    u64 red[2 * NW];
     u64 start, hash_orig, hash_payload;
     u32 len, mode, bad, hp, np, hdr_end, flag, m;
     u32 wsum[NW];
@@ -1288,8 +1324,7 @@ __device__ void dec_block_fast(const u8 *frame, u64 payload_off, u64 payload_len
         }
         PHASE(1, 5);
     }
-    h_orig = block_sum(h_orig, sm.red);
-    h_pay = block_sum(h_pay, sm.red);
+    block_sum2(h_orig, h_pay, sm.red);
     if (tid == 0) {
         if (h_pay + (u64)len * UZH_LENGTH_MUL != sm.hash_payload)
             report(err, b, E_PAYLOAD_HASH);
