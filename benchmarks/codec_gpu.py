@@ -31,7 +31,7 @@ from uzip_serve import codec
 
 MiB = 1 << 20
 SIZES = [1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB, 1024 * MiB]
-NVCOMP = ("nvcomp-ANS-256K", "nvcomp-ANS-default", "nvcomp-Bitcomp")
+NVCOMP = ("nvcomp-ANS-256K", "nvcomp-ANS-256K-batched", "nvcomp-ANS-default", "nvcomp-Bitcomp")
 
 SPLIT_SRC = r"""
 extern "C" __global__ void split_bf16(const uint4* __restrict__ in, uint2* __restrict__ e, uint2* __restrict__ m,
@@ -204,6 +204,45 @@ def run_nvcomp(nvcomp, kw, xs, repeats) -> dict:
             "d_ms": time_ms(lambda r: cdc.decode(encs[r % k]), repeats)}
 
 
+def run_nvcomp_batched(xs, repeats) -> dict:
+    """nvCOMP ANS, 256 KiB chunks, type hint, through the batched C API with every buffer
+    allocated once (benchmarks/nvcomp_batched.py): the call the issue's bars came from."""
+    from benchmarks.nvcomp_batched import BatchedANS, hint
+
+    nbytes = xs[0].numel() * xs[0].element_size()
+    cods = [BatchedANS(nbytes, hint(xs[0].dtype)) for _ in xs]
+    ys = [torch.empty_like(x) for x in xs]
+    for c, x, y in zip(cods, xs, ys):
+        c.compress(x)
+        c.decompress(y)
+    torch.cuda.synchronize()
+    exact = all(torch.equal(y.view(torch.uint8), x.view(torch.uint8)) for x, y in zip(xs, ys))
+    k = len(xs)
+    res = {"ratio": cods[0].compressed_bytes() / nbytes, "exact": bool(exact),
+           "failed_chunks": sum(c.failed_chunks() for c in cods), "kw": "batched C API, 256 KiB, type hint",
+           "c_ms": time_ms(lambda r: cods[r % k].compress(xs[r % k]), repeats),
+           "d_ms": time_ms(lambda r: cods[r % k].decompress(ys[r % k]), repeats)}
+    if nbytes <= 64 * MiB:  # compress + decompress replayed from one CUDA graph, as uzip's graph_cd
+        try:
+            graphs = []
+            for c, x, y in zip(cods, xs, ys):
+                s = torch.cuda.Stream()
+                s.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(s):
+                    c.compress(x)
+                    c.decompress(y)
+                torch.cuda.current_stream().wait_stream(s)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    c.compress(x)
+                    c.decompress(y)
+                graphs.append(g)
+            res["graph_cd_ms"] = time_ms(lambda r: graphs[r % k].replay(), max(repeats, 20))
+        except Exception as e:  # noqa: BLE001 - nvCOMP may refuse capture; say so in the JSON
+            res["graph_error"] = repr(e)[:200]
+    return res
+
+
 def split_floor(xs, repeats) -> dict:
     """The memory floor: split bf16 into its exponent and sign+mantissa planes, nothing else."""
     import cupy
@@ -238,7 +277,8 @@ def report(row: dict) -> None:
         r = row.get(cname)
         if r and "ratio" in r:
             print(f"{'':33s}{cname:18s} r={r['ratio']:.4f} c={gbps(size, r['c_ms']):7.1f} d={gbps(size, r['d_ms']):7.1f}"
-                  f" GB/s ({r['c_ms'] * 1e3:.1f} / {r['d_ms'] * 1e3:.1f} us) exact={r['exact']}", flush=True)
+                  f" GB/s ({r['c_ms'] * 1e3:.1f} / {r['d_ms'] * 1e3:.1f} us) exact={r['exact']}"
+                  + (f"  graph c+d {r['graph_cd_ms'] * 1e3:.1f} us" if "graph_cd_ms" in r else ""), flush=True)
         elif r:
             print(f"{'':33s}{cname}: {r['error']}")
     if "split-floor" in row:
@@ -358,6 +398,10 @@ def main(argv=None):
                         row[cname] = run_nvcomp(nvcomp, kw, xs, args.repeats)
                     except Exception as e:  # noqa: BLE001
                         row[cname] = {"error": repr(e)[:200]}
+                try:
+                    row["nvcomp-ANS-256K-batched"] = run_nvcomp_batched(xs, args.repeats)
+                except Exception as e:  # noqa: BLE001
+                    row["nvcomp-ANS-256K-batched"] = {"error": repr(e)[:200]}
             results.append(row)
             report(row)
             del xs, x0
