@@ -148,7 +148,8 @@ def inner(args) -> int:
         pair = disagg.start_pair(stack, args.model, work, compression="on", kv_port=args.kv_port,
                                  decode_host=ADDR["dc"], prefill_host=ADDR["pf"],
                                  prefill_wrap=["ip", "netns", "exec", NS["pf"]], max_model_len=max_len,
-                                 extra_extra={"load_timeout_s": 120.0, "deadline_s": 30.0},
+                                 extra_extra={"load_timeout_s": 120.0, "deadline_s": 30.0,
+                                              "overlap": not args.no_overlap},
                                  vllm_args=["--max-num-batched-tokens", str(max_len), "--max-num-seqs", "4",
                                             "--kv-cache-memory-bytes", str(320 << 20)],
                                  # the env var would override --kv-cache-memory-bytes (1 GiB minimum)
@@ -216,6 +217,9 @@ def summarize(runs: list[dict]) -> list[dict]:
                 "raw_mb": med(lambda r: r["split"]["raw_bytes"] / 1e6),
                 "wire_mb": med(lambda r: r["split"]["wire_bytes"] / 1e6),
             }
+        for mode in ("on", "off"):  # each run's p50, for the spread between runs of one setting
+            row[mode]["ttft_p50_ms_runs"] = [r["ttft_p50_ms"] for r in runs if r["rate"] == rate and
+                                             r["input_len"] == n and r["compression"] == mode]
         on, off = row["on"], row["off"]
         row["transfer_ratio"] = on["kv_transfer_s"] / off["kv_transfer_s"]
         row["ttft_saved_ms"] = off["ttft_p50_ms"] - on["ttft_p50_ms"]
@@ -266,7 +270,8 @@ def plot(result: dict, path: Path) -> None:
                      ha="center", va="bottom", fontsize=8)
     m = result["machine"]
     fig.suptitle(f"UzipConnector, Gemma-3-270M bf16, prefill and decode on one {m.get('cores')}-core host in two "
-                 f"netns over a tbf-capped veth (left: raw = pale, uzip = solid)", fontsize=9)
+                 f"netns over a tbf-capped veth (left: raw = pale, uzip = solid)"
+                 + ("" if result["settings"].get("overlap", True) else "; KV sent after the forward"), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
 
@@ -462,6 +467,9 @@ def main(argv=None) -> int:
                     help="only the connector's transfer path with real Gemma KV (no vLLM): fast, little memory")
     ap.add_argument("--kv-only-role", choices=["send", "recv"], default=None, help=argparse.SUPPRESS)
     ap.add_argument("--kv-chunk-bytes", type=int, default=1 << 20, help="--kv-only: the connector's chunk_bytes")
+    ap.add_argument("--no-overlap", action="store_true",
+                    help="the prefill side sends its KV only after the forward (the connector's overlap=false): "
+                         "the whole transfer on the TTFT path; writes disagg_link_sequential.json / .png")
     ap.add_argument("--resummarize", metavar="JSON", default=None,
                     help="rebuild the table and PNG of an earlier result file (no runs)")
     args = ap.parse_args(argv)
@@ -501,6 +509,7 @@ def main(argv=None) -> int:
                       "--input-lens", ",".join(map(str, args.input_lens)), "--output-len", str(args.output_len),
                       "--num-prompts", str(args.num_prompts), "--repeats", str(args.repeats), "--model", args.model,
                       "--workdir", args.workdir, "--kv-port", str(args.kv_port)]
+        argv_inner += ["--no-overlap"] if args.no_overlap else []
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "integrations" / "vllm"),
                                                             os.environ.get("PYTHONPATH", "")])}
         proc = subprocess.Popen(["ip", "netns", "exec", NS["dc"], *argv_inner], stdout=subprocess.PIPE, text=True,
@@ -527,15 +536,17 @@ def main(argv=None) -> int:
         link_down()
     result = {"benchmark": "disagg_link", "machine": machine.describe(), "model": "Gemma-3-270M bf16",
               "settings": {"rates": args.rates, "input_lens": args.input_lens, "output_len": args.output_len,
-                           "num_prompts": args.num_prompts, "repeats": args.repeats, "max_concurrency": 1},
+                           "num_prompts": args.num_prompts, "repeats": args.repeats, "max_concurrency": 1,
+                           "overlap": not args.no_overlap},
               "table": summarize(final["runs"]), "runs": final["runs"], "connector_stats": final["stats"]}
     return _write(result, Path(args.out_dir))
 
 
 def _write(result: dict, out: Path) -> int:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "disagg_link.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, out / "disagg_link.png")
+    name = "disagg_link" if result["settings"].get("overlap", True) else "disagg_link_sequential"
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, out / f"{name}.png")
     for r in result["table"]:
         print(f"{r['rate']:>8} {r['input_len']:>5} tok: KV transfer {r['on']['kv_transfer_s']:.3f} s vs "
               f"{r['off']['kv_transfer_s']:.3f} s raw ({r['transfer_ratio']:.2f}x), TTFT p50 "

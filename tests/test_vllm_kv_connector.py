@@ -206,6 +206,11 @@ def test_config_errors_name_the_field():
         kv_connector.parse_config({}, "kv_both")
     cfg = kv_connector.parse_config({"peer": "h:5", "load_timeout_s": 3}, "kv_producer")
     assert cfg.peer_host_port == ("h", 5) and cfg.load_timeout_s == 3.0
+    assert kv_connector.parse_config({"peer": "h:5"}, "kv_producer").overlap is True
+    for text, want in (("false", False), ("0", False), (False, False), ("True", True)):
+        assert kv_connector.parse_config({"peer": "h:5", "overlap": text}, "kv_producer").overlap is want
+    with pytest.raises(ValueError, match="overlap.*boolean"):
+        kv_connector.parse_config({"peer": "h:5", "overlap": "sometimes"}, "kv_producer")
 
 
 # ---- no vLLM start-up: the kept-open connection of the transfer path ---------------------------
@@ -366,3 +371,37 @@ def test_dead_decode_peer_fails_the_transfer_within_the_deadline(tmp_path):
         s.shutdown()
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "after-forward"])
+def test_overlap_decides_when_the_sender_starts(overlap):
+    """Through save_kv_layer / wait_for_save, as vLLM's forward calls them: with overlap the
+    sender starts at the first layer; with overlap=false (uzip bench disagg --no-overlap)
+    nothing leaves before the forward is done, and then every layer arrives intact."""
+    import uuid
+    from concurrent.futures import ThreadPoolExecutor
+
+    r = _receiver()
+    s = _sender(r._listener.port, overlap=overlap)
+    s._sender = ThreadPoolExecutor(max_workers=2)
+    s._outgoing = {}
+    s._layer_index = {n: i for i, n in enumerate(s._layer_names)}
+    started = threading.Event()
+    send_one = s._send_one
+    s._send_one = lambda out: (started.set(), send_one(out))
+    try:
+        layers = _layers(7)
+        xfer = uuid.uuid4().hex
+        spec = kv_connector.SaveSpec("r", xfer, list(range(layers[0].shape[0])), NUM_TOKENS)
+        s.bind_connector_metadata(kv_connector.UzipConnectorMetadata(saves=[spec]))
+        for name, layer in zip(s._layer_names[:-1], layers[:-1]):
+            s.save_kv_layer(name, layer, None)
+        assert started.wait(0.5 if overlap else 0.3) is overlap
+        s.save_kv_layer(s._layer_names[-1], layers[-1], None)
+        s.wait_for_save()
+        assert started.wait(5)
+        _assert_bitwise(_received(r, xfer), layers)
+    finally:
+        s.clear_connector_metadata()
+        s.shutdown()
+        r.shutdown()

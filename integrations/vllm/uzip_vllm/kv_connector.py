@@ -160,6 +160,10 @@ class UzipKVConfig:
     startup_timeout_s: float = 300.0 # producer: how long start-up waits for the decode listener
     stats_dir: str | None = None     # where each worker writes its counters (JSON) for the proxy
     test_layer_delay_s: float = 0.0  # tests only: the sender sleeps this long before each layer
+    # False: the sender starts only once the forward is done (wait_for_save), so the whole
+    # transfer lies on the TTFT path. For measuring what the transfer costs TTFT (uzip bench
+    # disagg --no-overlap); serving keeps the default, which sends layers as they are computed.
+    overlap: bool = True
 
     @property
     def peer_host_port(self) -> tuple[str, int]:
@@ -175,6 +179,10 @@ def parse_config(extra: dict[str, Any], role: str | None) -> UzipKVConfig:
     kwargs = {}
     for key, value in extra.items():
         want = type(UzipKVConfig.__dataclass_fields__[key].default)
+        if want is bool and not isinstance(value, bool):  # bool("false") would be True
+            if str(value).lower() not in ("true", "false", "1", "0"):
+                raise ValueError(f"UzipConnector: kv_connector_extra_config[{key!r}]={value!r}: not a boolean")
+            value = str(value).lower() in ("true", "1")
         try:
             kwargs[key] = value if value is None or want in (type(None), str) else want(value)
         except (TypeError, ValueError) as e:
@@ -552,7 +560,8 @@ class UzipConnector(KVConnectorBase_V1):
             out = self._outgoing.get(spec.xfer_id)
             if out is None:
                 out = self._outgoing[spec.xfer_id] = _Outgoing(spec)
-                self._sender.submit(self._send_one, out)
+                if self._cfg.overlap:
+                    self._sender.submit(self._send_one, out)
             ids = torch.tensor(spec.block_ids, dtype=torch.long, device=layer.device)
             out.q.put((idx, layer.index_select(0, ids).cpu()))
             if idx == len(self._layer_names) - 1:
@@ -573,6 +582,8 @@ class UzipConnector(KVConnectorBase_V1):
             if out is not None:
                 self._stats.note(spec.xfer_id, t_compute_done=now, t_first_layer=out.t_first)
                 out.q.put(_END)
+                if not self._cfg.overlap:  # every layer is queued: send it all now
+                    self._sender.submit(self._send_one, out)
 
     def _send_one(self, out: _Outgoing) -> None:
         spec, stats = out.spec, self._stats
