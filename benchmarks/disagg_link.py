@@ -199,7 +199,10 @@ def inner(args) -> int:
 
 # ---- summary, JSON, PNG ------------------------------------------------------------------------------
 
-def summarize(runs: list[dict]) -> list[dict]:
+def summarize(runs: list[dict], overlap: bool = True) -> list[dict]:
+    """Medians per link and prompt length. With overlap=False the sender starts after the
+    forward, so the transfer is the exposed part (the sending span would also count the forward
+    from the first layer on), and all of its saving is predicted to reach TTFT."""
     table = []
     keys = sorted({(r["rate"], r["input_len"]) for r in runs}, key=lambda k: (k[0] != "100mbit", k[1]))
     for rate, n in keys:
@@ -221,8 +224,14 @@ def summarize(runs: list[dict]) -> list[dict]:
             row[mode]["ttft_p50_ms_runs"] = [r["ttft_p50_ms"] for r in runs if r["rate"] == rate and
                                              r["input_len"] == n and r["compression"] == mode]
         on, off = row["on"], row["off"]
-        row["transfer_ratio"] = on["kv_transfer_s"] / off["kv_transfer_s"]
         row["ttft_saved_ms"] = off["ttft_p50_ms"] - on["ttft_p50_ms"]
+        if not overlap:
+            row["transfer_ratio"] = on["kv_exposed_s"] / off["kv_exposed_s"]
+            row["ttft_saved_predicted_ms"] = 1000 * (off["kv_exposed_s"] - on["kv_exposed_s"])
+            row["bar_transfer_le_0_75"] = row["transfer_ratio"] <= 0.75
+            table.append(row)
+            continue
+        row["transfer_ratio"] = on["kv_transfer_s"] / off["kv_transfer_s"]
         # What the transfer saving predicts for TTFT: the seconds compression takes off the
         # transfer, but no more than the part of it that was exposed after the forward (the
         # rest overlapped the prefill compute and was never on the TTFT path).
@@ -233,12 +242,19 @@ def summarize(runs: list[dict]) -> list[dict]:
     return table
 
 
+def _transfer_key(result: dict) -> str:
+    """The transfer time of a run: the sender's active time, or with overlap=False the exposed
+    time (from the last layer to the KV in decode's cache), see summarize."""
+    return "kv_transfer_s" if result["settings"].get("overlap", True) else "kv_exposed_s"
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    xkey = _transfer_key(result)
     table = result["table"]
     labels = [f"{r['rate']}\n{r['input_len']} tok" for r in table]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -258,7 +274,7 @@ def plot(result: dict, path: Path) -> None:
                 for xi, b in zip(xs, bottom):
                     ax.text(xi, b, "raw" if mode == "off" else "uzip", ha="center", va="bottom", fontsize=7)
             else:
-                vals = [r[mode]["kv_transfer_s"] for r in table]
+                vals = [r[mode][xkey] for r in table]
                 ax.bar(xs, vals, w, label=f"compression {mode}", color="#2ca02c" if mode == "on" else "#bbbbbb",
                        edgecolor="black")
         ax.set_xticks(list(x))
@@ -266,7 +282,7 @@ def plot(result: dict, path: Path) -> None:
         ax.set_title(title)
         ax.legend(fontsize=8)
     for i, r in enumerate(table):
-        axes[1].text(i, max(r["on"]["kv_transfer_s"], r["off"]["kv_transfer_s"]), f"{r['transfer_ratio']:.2f}x",
+        axes[1].text(i, max(r["on"][xkey], r["off"][xkey]), f"{r['transfer_ratio']:.2f}x",
                      ha="center", va="bottom", fontsize=8)
     m = result["machine"]
     fig.suptitle(f"UzipConnector, Gemma-3-270M bf16, prefill and decode on one {m.get('cores')}-core host in two "
@@ -487,7 +503,7 @@ def main(argv=None) -> int:
         return kv_only(args)
     if args.resummarize:
         result = json.loads(Path(args.resummarize).read_text())
-        result["table"] = summarize(result["runs"])
+        result["table"] = summarize(result["runs"], result["settings"].get("overlap", True))
         return _write(result, Path(args.out_dir))
     if args.inner:
         # SIGTERM from the outer process unwinds the stack, which stops the vLLM pair.
@@ -538,7 +554,8 @@ def main(argv=None) -> int:
               "settings": {"rates": args.rates, "input_lens": args.input_lens, "output_len": args.output_len,
                            "num_prompts": args.num_prompts, "repeats": args.repeats, "max_concurrency": 1,
                            "overlap": not args.no_overlap},
-              "table": summarize(final["runs"]), "runs": final["runs"], "connector_stats": final["stats"]}
+              "table": summarize(final["runs"], not args.no_overlap), "runs": final["runs"],
+              "connector_stats": final["stats"]}
     return _write(result, Path(args.out_dir))
 
 
@@ -547,9 +564,10 @@ def _write(result: dict, out: Path) -> int:
     name = "disagg_link" if result["settings"].get("overlap", True) else "disagg_link_sequential"
     (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(result, out / f"{name}.png")
+    xkey = _transfer_key(result)
     for r in result["table"]:
-        print(f"{r['rate']:>8} {r['input_len']:>5} tok: KV transfer {r['on']['kv_transfer_s']:.3f} s vs "
-              f"{r['off']['kv_transfer_s']:.3f} s raw ({r['transfer_ratio']:.2f}x), TTFT p50 "
+        print(f"{r['rate']:>8} {r['input_len']:>5} tok: KV transfer {r['on'][xkey]:.3f} s vs "
+              f"{r['off'][xkey]:.3f} s raw ({r['transfer_ratio']:.2f}x), TTFT p50 "
               f"{r['on']['ttft_p50_ms']:.0f} vs {r['off']['ttft_p50_ms']:.0f} ms (saved {r['ttft_saved_ms']:.0f}, "
               f"predicted {r['ttft_saved_predicted_ms']:.0f})")
     return 0
