@@ -147,6 +147,19 @@ def ours(xs, repeats: int, check_cpu: bool, graphs: bool) -> dict:
     return res
 
 
+def capture(fn) -> "torch.cuda.CUDAGraph":
+    """fn captured in a CUDA graph, after one warm-up call on a side stream (as torch asks)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
 def graph_times(xs, outs, sizes, hdrs, ys, repeats) -> dict:
     """The capture-safe calls replayed from CUDA graphs (GPU time, no Python or launch
     overhead): compress alone, decompress alone, and compress + decompress in one graph. One
@@ -160,18 +173,7 @@ def graph_times(xs, outs, sizes, hdrs, ys, repeats) -> dict:
 
     res = {}
     for key in ("c", "d", "cd"):
-        graphs = []
-        for i in range(len(xs)):
-            fn = steps(i)[key]
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                fn()
-            torch.cuda.current_stream().wait_stream(s)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                fn()
-            graphs.append(g)
+        graphs = [capture(steps(i)[key]) for i in range(len(xs))]
         res[f"graph_{key}_ms"] = time_ms(lambda r: graphs[r % len(graphs)].replay(), max(repeats, 20))
     torch.cuda.synchronize()
     return res
@@ -224,19 +226,7 @@ def run_nvcomp_batched(xs, repeats) -> dict:
            "d_ms": time_ms(lambda r: cods[r % k].decompress(ys[r % k]), repeats)}
     if nbytes <= 64 * MiB:  # compress + decompress replayed from one CUDA graph, as uzip's graph_cd
         try:
-            graphs = []
-            for c, x, y in zip(cods, xs, ys):
-                s = torch.cuda.Stream()
-                s.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(s):
-                    c.compress(x)
-                    c.decompress(y)
-                torch.cuda.current_stream().wait_stream(s)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    c.compress(x)
-                    c.decompress(y)
-                graphs.append(g)
+            graphs = [capture(lambda c=c, x=x, y=y: (c.compress(x), c.decompress(y))) for c, x, y in zip(cods, xs, ys)]
             res["graph_cd_ms"] = time_ms(lambda r: graphs[r % k].replay(), max(repeats, 20))
         except Exception as e:  # noqa: BLE001 - nvCOMP may refuse capture; say so in the JSON
             res["graph_error"] = repr(e)[:200]
