@@ -223,16 +223,12 @@ def summarize(runs: list[dict], overlap: bool = True) -> list[dict]:
                 "raw_mb": med(lambda r: r["split"]["raw_bytes"] / 1e6),
                 "wire_mb": med(lambda r: r["split"]["wire_bytes"] / 1e6),
             }
-        for mode in ("on", "off"):  # each run's p50, for the spread between runs of one setting
-            row[mode]["ttft_p50_ms_runs"] = [r["ttft_p50_ms"] for r in runs if r["rate"] == rate and
-                                             r["input_len"] == n and r["compression"] == mode]
+            row[mode]["ttft_p50_ms_runs"] = [r["ttft_p50_ms"] for r in rs]  # the spread between runs
+            if not overlap:
+                row[mode]["kv_after_send_start_s"] = med(lambda r: r["split"]["kv_after_send_start_s"])
         on, off = row["on"], row["off"]
         row["ttft_saved_ms"] = off["ttft_p50_ms"] - on["ttft_p50_ms"]
         if not overlap:
-            for mode in ("on", "off"):
-                row[mode]["kv_after_send_start_s"] = statistics.median(
-                    r["split"]["kv_after_send_start_s"] for r in runs
-                    if r["rate"] == rate and r["input_len"] == n and r["compression"] == mode)
             row["transfer_ratio"] = on["kv_after_send_start_s"] / off["kv_after_send_start_s"]
             row["ttft_saved_predicted_ms"] = 1000 * (off["kv_after_send_start_s"] - on["kv_after_send_start_s"])
             row["bar_transfer_le_0_75"] = row["transfer_ratio"] <= 0.75
