@@ -173,6 +173,24 @@ def test_lookback_over_many_windows(gpu, monkeypatch):
     assert torch.equal(bits(gpu.decompress(frame)), bits(x))
 
 
+@pytest.mark.parametrize("block,sub", [(65536, 64), (65536, 256), (65536, 1024), (4096, 128), (4096, 1024)])
+def test_every_substream_size(gpu, monkeypatch, block, sub):
+    """The encoder's writer at each sub-stream length: 2 to 32 symbols per lane (the 8-
+    and 1-symbol paths), run lengths kept from the size pass in u8 or u16 or counted again
+    when they do not fit, and a last block whose runs end mid-lane."""
+    monkeypatch.setenv("UZIP_GPU_BLOCK_ELEMS", str(block))
+    monkeypatch.setenv("UZIP_GPU_SUBSTREAM", str(sub))
+    x = random_tensor(torch.bfloat16, 2 * block + 777, seed=sub, kind="normal").to(gpu.dev)
+    out = torch.empty(fmt.max_compressed_size(x.nbytes, "bfloat16", block_elems=block), dtype=torch.uint8,
+                      device=gpu.dev)
+    frame = out[:gpu.codec.compress_device(x, out)].cpu().numpy().tobytes()
+    h = uz.read_header(frame)
+    assert (h.block_elems, h.substream_elems, h.num_blocks) == (block, sub, 3)
+    assert len(frame) < 0.7 * x.nbytes  # the exponent plane really was entropy-coded
+    assert torch.equal(bits(uz.decompress(frame)), bits(x))
+    assert torch.equal(bits(gpu.decompress(frame)), bits(x))
+
+
 def test_frames_do_not_depend_on_scheduling():
     """GPU frames are a function of the tensor alone: the emulator with 1 and 5 CUDA blocks in
     flight (the look-back then waits, or never does) writes the same bytes, and where a GPU is

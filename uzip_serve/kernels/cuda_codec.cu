@@ -49,6 +49,7 @@ typedef unsigned long long u64;
 #define WBUF_BYTES 1424    /* a warp's sub-stream buffer: MAX_ENC_S * 11 bits, rounded up */
 #define WIN_BYTES 2304     /* payload bytes a fast decoder reads first: all headers of a fast block */
 #define HDR_BYTES 2304     /* the encoder's block header (mode, plane headers, ends) */
+#define RUNS_BYTES 5120    /* the encoder's per-lane code bits (EncShared::runs) */
 #define ALIGN 16
 #define UZH_LENGTH_MUL 0x9E3779B97F4A7C15ull
 #define LOOKBACK_AGG (1ull << 62)   /* a block's own payload size is published */
@@ -657,9 +658,16 @@ __device__ u32 read_entry(const u8 *frame, u64 table_off, u64 payload_len, u32 b
 
 struct EncShared {
     CodeTables ct;
-    u32 w[512];      /* build_lengths: node weights */
-    u16 parent[512]; /* build_lengths: parent links, then ancestors */
-    u32 depth[512];  /* build_lengths: distance to the ancestor */
+    union {
+        struct {
+            u32 w[512];      /* build_lengths: node weights */
+            u16 parent[512]; /* build_lengths: parent links, then ancestors */
+            u32 depth[512];  /* build_lengths: distance to the ancestor */
+        } build;
+        /* then the code bits of each lane's run of each sub-stream (u8, or u16 above 512
+         * symbols), counted once by the size pass and used again to place the runs */
+        u8 runs[RUNS_BYTES];
+    };
     u32 count[64];   /* build_lengths: leaves per depth */
     u32 used_mask[8];
     u32 sbytes[LUT_SIZE / 2]; /* per sub-stream bytes, then their start offsets (k <= 1024) */
@@ -768,15 +776,16 @@ __device__ __forceinline__ void load_chunk(const u8 *in, u32 c, u32 nbytes, uint
 }
 
 /* The code bits of symbols E[s0, s0 + cnt): lengths from a 256-entry table; the symbols are
- * read 16 (or 4) at a time so the lookups are independent loads. */
+ * read 8 at a time (a lane's run is 8 or 16 at 256 or 512 symbols per sub-stream) so the
+ * lookups are independent loads. */
 __device__ __forceinline__ u32 run_bits(const u8 *E, u32 s0, u32 cnt, const u8 *len) {
     u32 bits = 0;
-    if ((cnt & 15) == 0 && (s0 & 15) == 0) {
-        for (u32 i = 0; i < cnt; i += 16) {
-            const uint4 v = *(const uint4 *)(E + s0 + i);
-            const u32 w[4] = {v.x, v.y, v.z, v.w};
+    if ((cnt & 7) == 0 && (s0 & 7) == 0) {
+        for (u32 i = 0; i < cnt; i += 8) {
+            const uint2 v = *(const uint2 *)(E + s0 + i);
+            const u32 w[2] = {v.x, v.y};
 #pragma unroll
-            for (int q = 0; q < 4; q++)
+            for (int q = 0; q < 2; q++)
                 bits += len[w[q] & 0xFF] + len[(w[q] >> 8) & 0xFF] + len[(w[q] >> 16) & 0xFF] + len[w[q] >> 24];
         }
     } else {
@@ -785,14 +794,15 @@ __device__ __forceinline__ u32 run_bits(const u8 *E, u32 s0, u32 cnt, const u8 *
     return bits;
 }
 
-/* Appends a code (t: bits | length << 16) to a lane's bit accumulator and stores each full
- * word. Words strictly inside the lane's run are the lane's alone: a plain store, which the
- * compiler predicates. The run's first word is shared with the lane before: it is kept in
+/* Appends `len` code bits (at most 22: two codes) to a lane's bit accumulator and stores each
+ * full word. Words strictly inside the lane's run are the lane's alone: a plain store, which
+ * the compiler predicates. The run's first word is shared with the lane before: it is kept in
  * `head` and OR-ed in at the end, like the last one. (A branch around an atomicOr per full word
  * was a third of the encoder's instructions, with every lane waiting for every flush.) */
-__device__ __forceinline__ void put_code(u32 t, u64 &acc, u32 &nacc, u32 *wb32, u32 &wi, u32 &head, bool &started) {
-    acc |= (u64)(t & 0xFFFFu) << nacc;
-    nacc += t >> 16;
+__device__ __forceinline__ void put_bits(u32 code, u32 len, u64 &acc, u32 &nacc, u32 *wb32, u32 &wi, u32 &head,
+                                         bool &started) {
+    acc |= (u64)code << nacc;
+    nacc += len;
     const bool full = nacc >= 32;
     const u32 lo = (u32)acc;
     if (full && started) wb32[wi] = lo;
@@ -803,44 +813,78 @@ __device__ __forceinline__ void put_code(u32 t, u64 &acc, u32 &nacc, u32 *wb32, 
     nacc = full ? nacc - 32 : nacc;
 }
 
-/* Encodes the symbols [s0, s0 + cnt) of each lane of a warp as one sub-stream (LSB first, as
- * cpu_codec.c's encode_stream) into the warp's buffer: lanes take consecutive runs and a warp
- * scan of their bit counts places each run. */
-__device__ void encode_substream(const u8 *E, u32 s0, u32 cnt, const CodeTables &ct, u32 *wb32, u32 nbytes) {
+/* Two codes (t: bits | length << 16, as CodeTables::tab) in one accumulator update: with at
+ * most 31 bits pending and 22 added, one word at most fills. */
+#define UZ_PUT_PAIR(ta, tb) \
+    put_bits(((ta) & 0xFFFFu) | (((tb) & 0xFFFFu) << ((ta) >> 16)), ((ta) >> 16) + ((tb) >> 16), acc, nacc, wb32, \
+             wi, head, started)
+
+/* Encodes the symbols [s0, s0 + cnt) of each lane of a warp, `bits` code bits, as one
+ * sub-stream (LSB first, as cpu_codec.c's encode_stream) into the warp's buffer: lanes take
+ * consecutive runs and a warp scan of their bit counts places each run. Only the words two
+ * lanes share (each run's first and last) need zeroing first; every other word is stored
+ * whole by the lane that owns it. */
+__device__ void encode_substream(const u8 *E, u32 s0, u32 cnt, u32 bits, const CodeTables &ct, u32 *wb32) {
     const int lane = threadIdx.x & 31;
-    u32 bits = run_bits(E, s0, cnt, ct.len);
     u32 incl = bits;
     for (int o = 1; o < 32; o <<= 1) {
         u32 t = __shfl_up_sync(0xffffffffu, incl, o);
         if (lane >= o) incl += t;
     }
-    for (u32 i = lane; i < (nbytes + 7) / 4; i += 32) wb32[i] = 0;
-    __syncwarp();
     const u32 off = incl - bits;
+    wb32[off >> 5] = 0;
+    wb32[incl >> 5] = 0;
+    __syncwarp();
     u32 nacc = off & 31, wi = off >> 5, head = 0;
     bool started = false;
     u64 acc = 0;
-    if ((cnt & 15) == 0 && (s0 & 15) == 0) {
-        for (u32 i = 0; i < cnt; i += 16) {
-            const uint4 v = *(const uint4 *)(E + s0 + i);
-            const u32 w[4] = {v.x, v.y, v.z, v.w};
+    if ((cnt & 7) == 0 && (s0 & 7) == 0) {
+        for (u32 i = 0; i < cnt; i += 8) {
+            const uint2 v = *(const uint2 *)(E + s0 + i);
+            const u32 w[2] = {v.x, v.y};
 #pragma unroll
-            for (int q = 0; q < 4; q++) {
+            for (int q = 0; q < 2; q++) {
                 u32 t0 = ct.tab[w[q] & 0xFF], t1 = ct.tab[(w[q] >> 8) & 0xFF], t2 = ct.tab[(w[q] >> 16) & 0xFF],
                     t3 = ct.tab[w[q] >> 24];
-                put_code(t0, acc, nacc, wb32, wi, head, started);
-                put_code(t1, acc, nacc, wb32, wi, head, started);
-                put_code(t2, acc, nacc, wb32, wi, head, started);
-                put_code(t3, acc, nacc, wb32, wi, head, started);
+                UZ_PUT_PAIR(t0, t1);
+                UZ_PUT_PAIR(t2, t3);
             }
         }
     } else {
-        for (u32 i = 0; i < cnt; i++) put_code(ct.tab[E[s0 + i]], acc, nacc, wb32, wi, head, started);
+        u32 i = 0;
+        for (; i + 2 <= cnt; i += 2) {
+            u32 t0 = ct.tab[E[s0 + i]], t1 = ct.tab[E[s0 + i + 1]];
+            UZ_PUT_PAIR(t0, t1);
+        }
+        if (i < cnt) {
+            u32 t0 = ct.tab[E[s0 + i]];
+            put_bits(t0 & 0xFFFFu, t0 >> 16, acc, nacc, wb32, wi, head, started);
+        }
     }
     __syncwarp(); /* every lane's own words are in before the shared ones are OR-ed */
     if (started) atomicOr(&wb32[off >> 5], head);
     if (nacc) atomicOr(&wb32[wi], (u32)acc);
     __syncwarp();
+}
+#undef UZ_PUT_PAIR
+
+/* Copies a warp buffer's first nbytes bytes to dst, which may start at any byte: the aligned
+ * words of dst inside the range as whole words (a funnel shift of two buffer words each), the
+ * partial words at either end byte by byte, because the sub-streams before and after (other
+ * warps) share them. A byte per lane was 7% of the encoder's instructions. */
+__device__ __forceinline__ void copy_substream(const u32 *wb32, u8 *dst, u32 nbytes) {
+    const u32 lane = threadIdx.x & 31;
+    const u32 lead = (4u - (u32)((u64)dst & 3u)) & 3u; /* bytes before dst's first aligned word */
+    const u32 head = lead < nbytes ? lead : nbytes;
+    const u32 nw = (nbytes - head) / 4, tail = head + 4 * nw;
+    const u8 *src = (const u8 *)wb32;
+    if (lane < head) dst[lane] = src[lane];
+    if (lane < nbytes - tail) dst[tail + lane] = src[tail + lane];
+    u32 *dw = (u32 *)(dst + head);
+    for (u32 i = lane; i < nw; i += 32) {
+        const u32 r = head + 4 * i; /* the word's first byte in the buffer */
+        dw[i] = __funnelshift_r(wb32[r >> 2], wb32[(r >> 2) + 1], 8 * (r & 3));
+    }
 }
 
 /* One codec block per CUDA block (docs/gpu.md, "Encoder"). Shared memory: the entropy
@@ -951,7 +995,7 @@ __device__ void enc_block(const u8 *src, u64 numel, u32 be, u32 S, u8 *out, u64 
         __syncthreads();
         PHASE(0, 1);
         if (nused >= 2) {
-            build_lengths(ct, (int)nused, sm.w, sm.parent, sm.depth, sm.count);
+            build_lengths(ct, (int)nused, sm.build.w, sm.build.parent, sm.build.depth, sm.count);
             PHASE(0, 2);
             if (tid == 0) canonical_bounds(ct);
             __syncthreads();
@@ -986,15 +1030,18 @@ __device__ void enc_block(const u8 *src, u64 numel, u32 be, u32 S, u8 *out, u64 
     }
     __syncthreads();
     const u32 pmode = sm.plane_mode, k = sm.k;
+    /* a warp per sub-stream, a lane per run of S / 32 symbols, as the writer will place them;
+     * each run's bits are kept for the writer when they fit (always at the default sizes) */
+    const u32 per = S / 32;
+    const bool wide_runs = per * MAX_CODE_LEN > 0xFF;
+    const bool keep_runs = k * 32u * (wide_runs ? 2u : 1u) <= RUNS_BYTES;
     if (pmode == PLANE_HUFF) {
-        for (u32 j = warp; j < k; j += NW) { /* a sum: lanes read interleaved words, no conflicts */
-            const u32 s0 = j * S, cnt = n - s0 < S ? n - s0 : S;
-            u32 bits = 0;
-            for (u32 w = lane; 4 * w < cnt; w += 32) {
-                u32 v = *(const u32 *)(E + s0 + 4 * w), m = cnt - 4 * w;
-                bits += ct.len[v & 0xFF] + (m > 1 ? ct.len[(v >> 8) & 0xFF] : 0u) +
-                        (m > 2 ? ct.len[(v >> 16) & 0xFF] : 0u) + (m > 3 ? ct.len[v >> 24] : 0u);
-            }
+        for (u32 j = warp; j < k; j += NW) {
+            const u32 s0 = j * S + lane * per;
+            const u32 cnt = s0 < n ? (n - s0 < per ? n - s0 : per) : 0u;
+            u32 bits = run_bits(E, s0, cnt, ct.len);
+            if (keep_runs && wide_runs) ((u16 *)sm.runs)[32 * j + lane] = (u16)bits;
+            if (keep_runs && !wide_runs) sm.runs[32 * j + lane] = (u8)bits;
             bits = __reduce_add_sync(0xffffffffu, bits);
             if (lane == 0) sm.sbytes[j] = (bits + 7) / 8;
         }
@@ -1096,13 +1143,14 @@ __device__ void enc_block(const u8 *src, u64 numel, u32 be, u32 S, u8 *out, u64 
         if (huff) { /* a warp per sub-stream, each copied out whole */
             u8 *sec = dst + sm.data_off[hp];
             u32 *wb32 = (u32 *)(wbufs + warp * WBUF_BYTES);
-            const u32 per = S / 32;
             for (u32 j = warp; j < k; j += NW) {
                 u32 start = sm.sbytes[j], stop = j + 1 < k ? sm.sbytes[j + 1] : sm.huff_total;
                 u32 s0 = j * S + lane * per;
                 u32 cnt = s0 < n ? (n - s0 < per ? n - s0 : per) : 0u;
-                encode_substream(E, s0, cnt, ct, wb32, stop - start);
-                for (u32 i = lane; i < stop - start; i += 32) sec[start + i] = ((const u8 *)wb32)[i];
+                u32 bits = !keep_runs ? run_bits(E, s0, cnt, ct.len)
+                           : wide_runs ? ((const u16 *)sm.runs)[32 * j + lane] : sm.runs[32 * j + lane];
+                encode_substream(E, s0, cnt, bits, ct, wb32);
+                copy_substream(wb32, sec + start, stop - start);
                 __syncwarp();
             }
             for (u32 i = sm.huff_total + tid; i < align16(sm.huff_total); i += NT) sec[i] = 0;
