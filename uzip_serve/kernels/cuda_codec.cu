@@ -856,9 +856,9 @@ __device__ void encode_substream(const u8 *E, u32 s0, u32 cnt, u32 bits, const C
             u32 t0 = ct.tab[E[s0 + i]], t1 = ct.tab[E[s0 + i + 1]];
             UZ_PUT_PAIR(t0, t1);
         }
-        if (i < cnt) {
+        if (i < cnt) { /* an odd last symbol, paired with no bits */
             u32 t0 = ct.tab[E[s0 + i]];
-            put_bits(t0 & 0xFFFFu, t0 >> 16, acc, nacc, wb32, wi, head, started);
+            UZ_PUT_PAIR(t0, 0u);
         }
     }
     __syncwarp(); /* every lane's own words are in before the shared ones are OR-ed */
