@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import statistics
@@ -123,6 +124,11 @@ def _split(records: list[dict]) -> dict:
             # from the send's start to the KV in decode's cache: with overlap=False, the transfer
             # alone (kv_exposed_s also holds the forward's tail, last layer -> wait_for_save)
             "kv_after_send_start_s": d["t_injected"] - p["t_send_start"],
+            # ... split at the receiver: the last layer decoded, then the decode engine's next
+            # step writing it into the paged cache (older runs lack these notes)
+            "kv_recv_done_after_send_start_s": d.get("t_recv_done", math.nan) - p["t_send_start"],
+            "kv_inject_wait_s": d["t_injected"] - d.get("t_recv_done", math.nan),
+            "kv_recv_span_s": d.get("t_recv_done", math.nan) - d.get("t_recv_begin", math.nan),
             "raw_bytes": p["raw_bytes"], "wire_bytes": p["wire_bytes"],
         })
     if not rows:
