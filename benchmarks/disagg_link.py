@@ -103,6 +103,17 @@ def _bench_serve(url: str, model: str, input_len: int, output_len: int, num_prom
     return json.loads(out.read_text())
 
 
+def _kv_extra(pairs: list[str]) -> dict[str, str]:
+    """--kv-extra KEY=VALUE pairs (the connector's parse_config checks keys and values)."""
+    out = {}
+    for kv in pairs:
+        key, sep, value = kv.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--kv-extra {kv!r}: expected KEY=VALUE")
+        out[key] = value
+    return out
+
+
 def _split(records: list[dict]) -> dict:
     """Medians over requests of the TTFT split and transfer figures (seconds, bytes)."""
     rows = []
@@ -158,7 +169,7 @@ def inner(args) -> int:
                                  decode_host=ADDR["dc"], prefill_host=ADDR["pf"],
                                  prefill_wrap=["ip", "netns", "exec", NS["pf"]], max_model_len=max_len,
                                  extra_extra={"load_timeout_s": 120.0, "deadline_s": 30.0,
-                                              "overlap": not args.no_overlap},
+                                              "overlap": not args.no_overlap, **_kv_extra(args.kv_extra)},
                                  vllm_args=["--max-num-batched-tokens", str(max_len), "--max-num-seqs", "4",
                                             "--kv-cache-memory-bytes", str(320 << 20)],
                                  # the env var would override --kv-cache-memory-bytes (1 GiB minimum)
@@ -397,6 +408,7 @@ def kv_only_send(args) -> int:
                 for i, b in enumerate(blocks):
                     out.q.put((i, b))
                 out.q.put(kc._END)
+                time.sleep(args.kv_only_gap)
                 c._send_one(out)
                 x = c._stats.xfers[xfer]
                 if "error" in x:
@@ -433,7 +445,8 @@ def kv_only(args) -> int:
                 r = subprocess.run(["ip", "netns", "exec", NS["pf"], sys.executable, "-m", "benchmarks.disagg_link",
                                     "--kv-only-role", "send", "--kv-port", str(port), "--input-lens",
                                     ",".join(map(str, args.input_lens)), "--repeats", str(args.repeats),
-                                    "--kv-chunk-bytes", str(args.kv_chunk_bytes)],
+                                    "--kv-chunk-bytes", str(args.kv_chunk_bytes),
+                                    "--kv-only-gap", str(args.kv_only_gap)],
                                    capture_output=True, text=True, cwd=str(REPO), env=env, timeout=1200)
                 line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
                 if not line:
@@ -468,7 +481,8 @@ def kv_only(args) -> int:
                       "hello + the p2p transfers of the layers) without vLLM, real Gemma-3-270M bf16 KV "
                       "(benchmarks.realdata gemma_activations, 493 tokens repeated), vLLM CPU page layout, over the "
                       "netns veth link",
-              "repeats": args.repeats, "chunk_bytes": args.kv_chunk_bytes, "tbf_burst": {rate: default_burst(rate) for rate in args.rates},
+              "repeats": args.repeats, "chunk_bytes": args.kv_chunk_bytes, "idle_gap_s": args.kv_only_gap,
+              "tbf_burst": {rate: default_burst(rate) for rate in args.rates},
               "sender_counters": counters, "table": table, "runs": runs}
     (out / "disagg_kv_only.json").write_text(json.dumps(result, indent=2) + "\n")
     return 0
@@ -492,9 +506,14 @@ def main(argv=None) -> int:
                     help="only the connector's transfer path with real Gemma KV (no vLLM): fast, little memory")
     ap.add_argument("--kv-only-role", choices=["send", "recv"], default=None, help=argparse.SUPPRESS)
     ap.add_argument("--kv-chunk-bytes", type=int, default=1 << 20, help="--kv-only: the connector's chunk_bytes")
+    ap.add_argument("--kv-only-gap", type=float, default=0.0,
+                    help="--kv-only: seconds the kept-open connection idles before each transfer (as between "
+                         "requests when serving)")
     ap.add_argument("--no-overlap", action="store_true",
                     help="the prefill side sends its KV only after the forward (the connector's overlap=false): "
                          "the whole transfer on the TTFT path; writes disagg_link_sequential.json / .png")
+    ap.add_argument("--kv-extra", action="append", default=[], metavar="KEY=VALUE",
+                    help="more kv_connector_extra_config for both instances, e.g. freeze_gc=false (repeatable)")
     ap.add_argument("--resummarize", metavar="JSON", default=None,
                     help="rebuild the table and PNG of an earlier result file (no runs)")
     args = ap.parse_args(argv)
@@ -535,6 +554,7 @@ def main(argv=None) -> int:
                       "--num-prompts", str(args.num_prompts), "--repeats", str(args.repeats), "--model", args.model,
                       "--workdir", args.workdir, "--kv-port", str(args.kv_port)]
         argv_inner += ["--no-overlap"] if args.no_overlap else []
+        argv_inner += [f"--kv-extra={kv}" for kv in args.kv_extra]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "integrations" / "vllm"),
                                                             os.environ.get("PYTHONPATH", "")])}
         proc = subprocess.Popen(["ip", "netns", "exec", NS["dc"], *argv_inner], stdout=subprocess.PIPE, text=True,
@@ -562,7 +582,7 @@ def main(argv=None) -> int:
     result = {"benchmark": "disagg_link", "machine": machine.describe(), "model": "Gemma-3-270M bf16",
               "settings": {"rates": args.rates, "input_lens": args.input_lens, "output_len": args.output_len,
                            "num_prompts": args.num_prompts, "repeats": args.repeats, "max_concurrency": 1,
-                           "overlap": not args.no_overlap},
+                           "overlap": not args.no_overlap, "kv_extra": _kv_extra(args.kv_extra)},
               "table": summarize(final["runs"], not args.no_overlap), "runs": final["runs"],
               "connector_stats": final["stats"]}
     return _write(result, Path(args.out_dir))
