@@ -513,7 +513,7 @@ def main(argv=None) -> int:
                     help="the prefill side sends its KV only after the forward (the connector's overlap=false): "
                          "the whole transfer on the TTFT path; writes disagg_link_sequential.json / .png")
     ap.add_argument("--kv-extra", action="append", default=[], metavar="KEY=VALUE",
-                    help="more kv_connector_extra_config for both instances, e.g. freeze_gc=false (repeatable)")
+                    help="more kv_connector_extra_config for both instances, e.g. progress_mode=blocking (repeatable)")
     ap.add_argument("--resummarize", metavar="JSON", default=None,
                     help="rebuild the table and PNG of an earlier result file (no runs)")
     args = ap.parse_args(argv)
