@@ -392,6 +392,8 @@ def kv_only_recv(port: int) -> int:
 def kv_only_send(args) -> int:
     import uuid
 
+    import torch
+
     from uzip_vllm import kv_connector as kc
 
     c = _kv_connector(peer=f"{KV_ADDR['dc']}:{args.kv_port}", deadline_s=30.0, chunk_bytes=args.kv_chunk_bytes)
@@ -409,6 +411,9 @@ def kv_only_send(args) -> int:
                     out.q.put((i, b))
                 out.q.put(kc._END)
                 time.sleep(args.kv_only_gap)
+                if args.kv_only_touch:  # untimed: the KV read once, as a forward that just wrote it leaves it
+                    for b in blocks:
+                        b.view(torch.int64).sum()
                 c._send_one(out)
                 x = c._stats.xfers[xfer]
                 if "error" in x:
@@ -446,7 +451,8 @@ def kv_only(args) -> int:
                                     "--kv-only-role", "send", "--kv-port", str(port), "--input-lens",
                                     ",".join(map(str, args.input_lens)), "--repeats", str(args.repeats),
                                     "--kv-chunk-bytes", str(args.kv_chunk_bytes),
-                                    "--kv-only-gap", str(args.kv_only_gap)],
+                                    "--kv-only-gap", str(args.kv_only_gap)]
+                                   + (["--kv-only-touch"] if args.kv_only_touch else []),
                                    capture_output=True, text=True, cwd=str(REPO), env=env, timeout=1200)
                 line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
                 if not line:
@@ -509,6 +515,10 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-only-gap", type=float, default=0.0,
                     help="--kv-only: seconds the kept-open connection idles before each transfer (as between "
                          "requests when serving)")
+    ap.add_argument("--kv-only-touch", action="store_true",
+                    help="--kv-only: after the gap, read the KV once before the timed send (as just computed); "
+                         "on the sandbox VM memory idle for a second is several times slower to touch "
+                         "(benchmarks/idle_memory.py)")
     ap.add_argument("--no-overlap", action="store_true",
                     help="the prefill side sends its KV only after the forward (the connector's overlap=false): "
                          "the whole transfer on the TTFT path; writes disagg_link_sequential.json / .png")
