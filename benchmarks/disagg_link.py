@@ -480,9 +480,19 @@ def kv_only(args) -> int:
             t = table[-1]
             print(f"{rate:>8} {n:>5} tok: {t['raw_mb']:.1f} MB raw, {t['wire_mb_on']:.1f} MB compressed; "
                   f"{t['kv_transfer_s_on']:.3f} s vs {t['kv_transfer_s_off']:.3f} s raw ({t['transfer_ratio']:.2f}x)")
+    # The host's own cost of touching memory again after the gap, no link, no codec: on the
+    # sandbox VM it is most of what a transfer after idle costs (docs/kv_connector.md).
+    import torch
+
+    from benchmarks import idle_memory
+
+    print("host memory after idle (benchmarks.idle_memory):", flush=True)
+    host = idle_memory.probe(runs[0]["raw_bytes"] // 8 * 8, sorted({0.0, args.kv_only_gap}), 3)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     result = {"benchmark": "disagg_kv_only", "machine": machine.describe(),
+              "host_idle_memory": {"nbytes": runs[0]["raw_bytes"] // 8 * 8, "torch_threads": torch.get_num_threads(),
+                                   "rows": host},
               "what": "UzipConnector's sender and receiver code (a connection kept open across transfers: transfer "
                       "hello + the p2p transfers of the layers) without vLLM, real Gemma-3-270M bf16 KV "
                       "(benchmarks.realdata gemma_activations, 493 tokens repeated), vLLM CPU page layout, over the "
