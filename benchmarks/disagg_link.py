@@ -392,8 +392,6 @@ def kv_only_recv(port: int) -> int:
 def kv_only_send(args) -> int:
     import uuid
 
-    import torch
-
     from uzip_vllm import kv_connector as kc
 
     c = _kv_connector(peer=f"{KV_ADDR['dc']}:{args.kv_port}", deadline_s=30.0, chunk_bytes=args.kv_chunk_bytes)
@@ -413,7 +411,7 @@ def kv_only_send(args) -> int:
                 time.sleep(args.kv_only_gap)
                 if args.kv_only_touch:  # untimed: the KV read once, as a forward that just wrote it leaves it
                     for b in blocks:
-                        b.view(torch.int64).sum()
+                        b.sum()
                 c._send_one(out)
                 x = c._stats.xfers[xfer]
                 if "error" in x:
@@ -482,17 +480,14 @@ def kv_only(args) -> int:
                   f"{t['kv_transfer_s_on']:.3f} s vs {t['kv_transfer_s_off']:.3f} s raw ({t['transfer_ratio']:.2f}x)")
     # The host's own cost of touching memory again after the gap, no link, no codec: on the
     # sandbox VM it is most of what a transfer after idle costs (docs/kv_connector.md).
-    import torch
-
     from benchmarks import idle_memory
 
     print("host memory after idle (benchmarks.idle_memory):", flush=True)
-    host = idle_memory.probe(runs[0]["raw_bytes"] // 8 * 8, sorted({0.0, args.kv_only_gap}), 3)
+    host = idle_memory.probe(runs[0]["raw_bytes"], sorted({0.0, args.kv_only_gap}), 3)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     result = {"benchmark": "disagg_kv_only", "machine": machine.describe(),
-              "host_idle_memory": {"nbytes": runs[0]["raw_bytes"] // 8 * 8, "torch_threads": torch.get_num_threads(),
-                                   "rows": host},
+              "host_idle_memory": host,
               "what": "UzipConnector's sender and receiver code (a connection kept open across transfers: transfer "
                       "hello + the p2p transfers of the layers) without vLLM, real Gemma-3-270M bf16 KV "
                       "(benchmarks.realdata gemma_activations, 493 tokens repeated), vLLM CPU page layout, over the "

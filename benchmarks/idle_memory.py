@@ -28,7 +28,9 @@ import torch
 from benchmarks import machine
 
 
-def probe(nbytes: int, gaps: list[float], repeats: int) -> list[dict]:
+def probe(nbytes: int, gaps: list[float], repeats: int) -> dict:
+    """{"nbytes", "threads", "rows": one per gap, medians and every repeat}."""
+    nbytes = nbytes // 8 * 8
     src = torch.ones(nbytes // 8, dtype=torch.int64)
     dst = torch.zeros(nbytes // 8, dtype=torch.int64)
     src.sum(), dst.fill_(1)  # resident before the first gap
@@ -49,7 +51,7 @@ def probe(nbytes: int, gaps: list[float], repeats: int) -> list[dict]:
         rows.append(row)
         print(f"idle {gap:5.2f} s   read {nbytes / 1e6:.0f} MB {row['read_s'] * 1e3:7.1f} ms   "
               f"write {row['write_s'] * 1e3:7.1f} ms", flush=True)
-    return rows
+    return {"nbytes": nbytes, "threads": torch.get_num_threads(), "rows": rows}
 
 
 def plot(result: dict, path: Path) -> None:
@@ -84,14 +86,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="docs/benchmarks")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    nbytes = int(args.mb * 1e6) // 8 * 8
-    rows = probe(nbytes, [float(g) for g in args.gaps.split(",")], args.repeats)
-    base = rows[0]
-    for r in rows:
+    measured = probe(int(args.mb * 1e6), [float(g) for g in args.gaps.split(",")], args.repeats)
+    base = measured["rows"][0]
+    for r in measured["rows"]:
         r["read_x_gap0"] = r["read_s"] / base["read_s"]
         r["write_x_gap0"] = r["write_s"] / base["write_s"]
-    result = {"benchmark": "idle_memory", "machine": machine.describe(), "nbytes": nbytes, "repeats": args.repeats,
-              "threads": args.threads, "rows": rows,
+    result = {"benchmark": "idle_memory", "machine": machine.describe(), "repeats": args.repeats, **measured,
               "what": "resident buffers read / written again after an idle gap; gap 0 = back to back"}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
