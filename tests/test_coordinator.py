@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import traceback
 
@@ -19,6 +20,7 @@ pytest.importorskip("grpc")
 pytest.importorskip("ucxx")
 
 import uzip_serve as uz  # noqa: E402
+from uzip_serve import format as fmt  # noqa: E402
 from uzip_serve.coordinator import client, pb  # noqa: E402
 
 CTX = mp.get_context("spawn")
@@ -134,6 +136,14 @@ class Receivers:
             p.join(10)
 
 
+def wait_for(cond, timeout, message):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(message)
+        time.sleep(0.1)
+
+
 def model_weights(seed, scale=1.0):
     gen = torch.Generator().manual_seed(seed)
     return {
@@ -229,11 +239,51 @@ def test_coordinator_restart_keeps_state_and_versions(coord):
         coord.start()  # same state file
         assert coord.state().committed_version == 2
         assert [r.receiver_id for r in coord.state().receivers] == ["r0"]
+        # r0 checks in with the new process by itself: serving_version is not stored, only a
+        # heartbeat to this process sets it. Pushing before that would lean on the grace lease
+        # a restart gives stored receivers (2 s here), a race on a loaded box.
+        wait_for(lambda: [(r.receiver_id, r.live, r.serving_version) for r in coord.state().receivers]
+                 == [("r0", True, 2)], 30, "r0 did not check in with the restarted coordinator")
         res = push(coord, model_weights(3))
         assert res.version == 3  # numbers never go back
         assert rs.commits(1)[0][2] == 3  # the receiver's watch reconnected by itself
     finally:
         rs.stop()
+
+
+def test_prepared_report_waits_for_the_coordinator(tmp_path):
+    """A receiver whose channel to the coordinator is down (a restart, then gRPC's reconnect
+    backoff) when it finishes staging keeps its PREPARED report until the coordinator
+    answers, instead of dropping it and leaving the push to abort at its deadline."""
+    from uzip_serve.coordinator.core import Coordinator as Core
+    from uzip_serve.coordinator.server import build_server
+    from uzip_serve.coordinator.store import Store
+
+    address = f"127.0.0.1:{free_port()}"
+    w = model_weights(1)
+    manifest = [pb.TensorSpec(name=n, shape=list(t.shape), dtype=str(t.dtype).removeprefix("torch."))
+                for n, t in w.items()]
+    r = uz.WeightReceiver(dict(w), coordinator=address, receiver_id="r0", token=TOKEN)
+    r._channel, r._stub = client.connect(address, token=TOKEN)  # no start(): only the report path
+    report = threading.Thread(target=r._report, args=(1, True, "", 123, time.time() + 60), daemon=True)
+    report.start()
+    time.sleep(2)  # connects refused meanwhile: the channel is backing off
+    assert report.is_alive(), "the report was given up while the coordinator was away"
+    core = Core(Store(str(tmp_path / "s.sqlite3")), lease_s=60)
+    server, _ = build_server(core, address, token=TOKEN)
+    try:
+        core.register(pb.RegisterRequest(receiver_id="r0", p2p_address="127.0.0.1:1", device_kind="cpu",
+                                         expected=manifest, codec_version=fmt.FORMAT_VERSION))
+        assert core.begin_push(pb.BeginPushRequest(manifest=manifest, timeout_s=60)).version == 1
+        server.start()
+        report.join(30)
+        assert not report.is_alive(), "the report did not get through"
+        assert core.store.prepared(1) == {"r0": (True, "")}
+    finally:
+        r._stop.set()
+        r._channel.close()
+        server.stop(0)
+        core.store.close()
 
 
 def test_wrong_token_stale_version_and_corrupt_chunk(coord, corrupt_chunks):

@@ -63,11 +63,11 @@ def _spec_slice(t: torch.Tensor, spec) -> torch.Tensor:
     return t.narrow(s.dim, s.rank * size, size).contiguous()
 
 
-def _rpc(fn, request, timeout: float | None = None):
+def _rpc(fn, request, timeout: float | None = None, wait_for_ready: bool | None = None):
     import grpc
 
     try:
-        return fn(request, timeout=timeout)
+        return fn(request, timeout=timeout, wait_for_ready=wait_for_ready)
     except grpc.RpcError as e:
         raise PushError(f"coordinator: {e.code().name}: {e.details()}", e.code().name) from None
 
@@ -382,16 +382,27 @@ class WeightReceiver:
                 await child.close() if ok else child.abort()
             ep.abort() if not ok else await ep.close()
         if version:
-            await asyncio.to_thread(self._report, version, ok, error, wire)
+            await asyncio.to_thread(self._report, version, ok, error, wire, envelope.deadline_unix_s)
 
-    def _report(self, version: int, ok: bool, error: str, wire: int) -> None:
+    def _report(self, version: int, ok: bool, error: str, wire: int, deadline_unix_s: float = 0.0) -> None:
+        """Tells the coordinator the outcome, retrying until the push's deadline: a report
+        lost to a moment without the coordinator (just restarted, the channel still backing
+        off) would leave the push waiting for us until it aborts at its deadline."""
         from uzip_serve.coordinator import pb
 
-        try:
-            _rpc(self._stub.ReportPrepared, pb.ReportPreparedRequest(
-                receiver_id=self.receiver_id, version=version, ok=ok, error=error, wire_bytes=wire), 30)
-        except PushError as e:
-            logger.warning("%s: could not report version %d: %s", self.receiver_id, version, e)
+        request = pb.ReportPreparedRequest(receiver_id=self.receiver_id, version=version, ok=ok, error=error,
+                                           wire_bytes=wire)
+        give_up = max(deadline_unix_s, time.time() + 30)  # at least 30 s, whatever the clocks say
+        while True:
+            try:
+                # wait_for_ready: wait for the channel to (re)connect instead of failing at once.
+                _rpc(self._stub.ReportPrepared, request, max(1.0, give_up - time.time()), wait_for_ready=True)
+                return
+            except PushError as e:
+                transient = e.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED")
+                if not transient or time.time() >= give_up or self._stop.wait(0.2):
+                    logger.warning("%s: could not report version %d: %s", self.receiver_id, version, e)
+                    return
 
     def _check_and_cast(self, got: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if set(got) != set(self._tensors):

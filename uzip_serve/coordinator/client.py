@@ -25,12 +25,19 @@ class _Details(grpc.ClientCallDetails):
         self.compression = getattr(d, "compression", None)
 
 
+# gRPC's default reconnect backoff grows to 120 s: after a coordinator restart that took
+# a few seconds, a receiver's channel would stay in TRANSIENT_FAILURE for seconds more
+# (every call failing at once with the stale "connection refused") and miss its lease.
+# One coordinator, one connection: retrying it every second at most costs nothing.
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.max_reconnect_backoff_ms", 1000)]
+
+
 def connect(address: str, *, token: str | None = None, tls_root_cert: bytes | None = None):
     """Returns (channel, stub). `address` is "host:port"."""
     if tls_root_cert is not None:
-        channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(tls_root_cert))
+        channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(tls_root_cert), options=RECONNECT_OPTIONS)
     else:
-        channel = grpc.insecure_channel(address)
+        channel = grpc.insecure_channel(address, options=RECONNECT_OPTIONS)
     if token:
         channel = grpc.intercept_channel(channel, _Token(token))
     return channel, pb.grpc_api.CoordinatorStub(channel)
