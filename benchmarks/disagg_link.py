@@ -337,9 +337,19 @@ KV_DEV = {"pf": "uz_vkpf", "dc": "uz_vkdc"}
 BLOCK = 16
 
 
-def _kv_connector(**cfg):
+def _gemma_windows() -> list:
+    """Gemma-3-270M's sliding window per layer (None for its 3 global layers), from its config."""
+    from benchmarks import realdata
+
+    cfg = json.loads((realdata.gemma_dir() / "config.json").read_text())
+    return [cfg["sliding_window"] if t == "sliding_attention" else None for t in cfg["layer_types"]]
+
+
+def _kv_connector(window_trim: bool = False, **cfg):
     """A UzipConnector worker half without vLLM: the layout of Gemma-3-270M on vLLM's CPU backend
-    ([blocks, 1 kv head, 16 tokens, 2 x 256]), 18 layers, TP=1."""
+    ([blocks, 1 kv head, 16 tokens, 2 x 256]), 18 layers, TP=1. window_trim: both halves know
+    the model's sliding windows, and the receiver allows trimmed layers (as with prefix caching
+    off on the decode instance)."""
     import torch
     from uzip_serve.p2p import TransportConfig
     from uzip_vllm import kv_connector as kc
@@ -353,6 +363,8 @@ def _kv_connector(**cfg):
     c._page_nbytes = BLOCK * 512 * 2
     c._stats = kc._Stats(None)
     c._init_link_state()
+    c._windows = _gemma_windows() if window_trim else []
+    c._allow_trim = window_trim and not c._producer
     c._transport = TransportConfig.from_env(compression=c._cfg.compression, progress_mode=c._cfg.progress_mode,
                                             chunk_bytes=c._cfg.chunk_bytes, deadline_s=c._cfg.deadline_s,
                                             cuda_ipc="off")
@@ -378,8 +390,8 @@ def _real_kv_blocks(num_tokens: int) -> list:
     return out
 
 
-def kv_only_recv(port: int) -> int:
-    c = _kv_connector(listen=f"{KV_ADDR['dc']}:{port}", deadline_s=30.0)
+def kv_only_recv(port: int, window_trim: bool) -> int:
+    c = _kv_connector(window_trim, listen=f"{KV_ADDR['dc']}:{port}", deadline_s=30.0)
     c._start_listener()
     print("READY", flush=True)
     while True:  # until killed; drop what arrived
@@ -394,7 +406,8 @@ def kv_only_send(args) -> int:
 
     from uzip_vllm import kv_connector as kc
 
-    c = _kv_connector(peer=f"{KV_ADDR['dc']}:{args.kv_port}", deadline_s=30.0, chunk_bytes=args.kv_chunk_bytes)
+    c = _kv_connector(args.kv_only_window_trim, peer=f"{KV_ADDR['dc']}:{args.kv_port}", deadline_s=30.0,
+                      chunk_bytes=args.kv_chunk_bytes)
     from concurrent.futures import ThreadPoolExecutor
 
     c._sender = ThreadPoolExecutor(max_workers=1)
@@ -406,7 +419,7 @@ def kv_only_send(args) -> int:
                 xfer = uuid.uuid4().hex
                 out = kc._Outgoing(kc.SaveSpec("r", xfer, list(range(blocks[0].shape[0])), n - 1, mode))
                 for i, b in enumerate(blocks):
-                    out.q.put((i, b))
+                    out.q.put((i, 0, b))  # saved whole; the send trims it if the receiver allows
                 out.q.put(kc._END)
                 time.sleep(args.kv_only_gap)
                 if args.kv_only_touch:  # untimed: the KV read once, as a forward that just wrote it leaves it
@@ -441,7 +454,8 @@ def kv_only(args) -> int:
             set_rate(rate)
             port = args.kv_port + k  # a fresh port: the last receiver's may linger
             recv = subprocess.Popen(["ip", "netns", "exec", NS["dc"], sys.executable, "-m", "benchmarks.disagg_link",
-                                     "--kv-only-role", "recv", "--kv-port", str(port)],
+                                     "--kv-only-role", "recv", "--kv-port", str(port)]
+                                    + (["--kv-only-window-trim"] if args.kv_only_window_trim else []),
                                     stdout=subprocess.PIPE, text=True, cwd=str(REPO), env=env, start_new_session=True)
             try:
                 assert recv.stdout.readline().strip() == "READY"
@@ -450,7 +464,8 @@ def kv_only(args) -> int:
                                     ",".join(map(str, args.input_lens)), "--repeats", str(args.repeats),
                                     "--kv-chunk-bytes", str(args.kv_chunk_bytes),
                                     "--kv-only-gap", str(args.kv_only_gap)]
-                                   + (["--kv-only-touch"] if args.kv_only_touch else []),
+                                   + (["--kv-only-touch"] if args.kv_only_touch else [])
+                                   + (["--kv-only-window-trim"] if args.kv_only_window_trim else []),
                                    capture_output=True, text=True, cwd=str(REPO), env=env, timeout=1200)
                 line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
                 if not line:
@@ -493,9 +508,11 @@ def kv_only(args) -> int:
                       "(benchmarks.realdata gemma_activations, 493 tokens repeated), vLLM CPU page layout, over the "
                       "netns veth link",
               "repeats": args.repeats, "chunk_bytes": args.kv_chunk_bytes, "idle_gap_s": args.kv_only_gap,
+              "window_trim": args.kv_only_window_trim,
               "tbf_burst": {rate: default_burst(rate) for rate in args.rates},
               "sender_counters": counters, "table": table, "runs": runs}
-    (out / "disagg_kv_only.json").write_text(json.dumps(result, indent=2) + "\n")
+    name = "disagg_kv_only_window_trim.json" if args.kv_only_window_trim else "disagg_kv_only.json"
+    (out / name).write_text(json.dumps(result, indent=2) + "\n")
     return 0
 
 
@@ -524,6 +541,9 @@ def main(argv=None) -> int:
                     help="--kv-only: after the gap, read the KV once before the timed send (as just computed); "
                          "on the sandbox VM memory idle for a second is several times slower to touch "
                          "(benchmarks/idle_memory.py)")
+    ap.add_argument("--kv-only-window-trim", action="store_true",
+                    help="--kv-only: sliding-window layers send only the blocks their window still reads (as "
+                         "with prefix caching off on the decode instance); writes disagg_kv_only_window_trim.json")
     ap.add_argument("--no-overlap", action="store_true",
                     help="the prefill side sends its KV only after the forward (the connector's overlap=false): "
                          "the whole transfer on the TTFT path; writes disagg_link_sequential.json / .png")
@@ -539,7 +559,7 @@ def main(argv=None) -> int:
 
         args.model = str(realdata.gemma_dir())
     if args.kv_only_role == "recv":
-        return kv_only_recv(args.kv_port)
+        return kv_only_recv(args.kv_port, args.kv_only_window_trim)
     if args.kv_only_role == "send":
         return kv_only_send(args)
     if args.kv_only:

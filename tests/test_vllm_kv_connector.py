@@ -34,6 +34,10 @@ PROMPTS = ["Once upon a time, in a small village, there lived an old clockmaker 
            "The capital of France is",
            " ".join(f"word{i}" for i in range(150))]  # spans many 16-token blocks
 MAX_TOKENS = 12
+# The tiny model's sliding-window layer keeps 32 tokens here, so PROMPTS[2] (about 300 tokens, three
+# 128-token CPU blocks) is sent without that layer's first two blocks; the decode side fills them
+# with NaN, so attention that read them would show in the output (trimming one block more does).
+WINDOW = 32
 LAYER_DELAY_S = 0.4
 LOAD_TIMEOUT_S = 15.0
 
@@ -76,7 +80,9 @@ def pair(tmp_path_factory):
     work = tmp_path_factory.mktemp("disagg")
     with ExitStack() as stack:
         p = disagg.start_pair(stack, model, work, compression="on", policy="recompute",
-                              extra_extra={"load_timeout_s": LOAD_TIMEOUT_S, "test_layer_delay_s": LAYER_DELAY_S})
+                              extra_extra={"load_timeout_s": LOAD_TIMEOUT_S, "test_layer_delay_s": LAYER_DELAY_S,
+                                           "test_poison_untransferred": True},
+                              vllm_args=["--hf-overrides", json.dumps({"sliding_window": WINDOW})])
         proxy = disagg.Proxy(p.prefill_url, p.decode_url, p.stats_dir)
         port = demo.free_port()
         loop = asyncio.new_event_loop()
@@ -114,6 +120,7 @@ def test_greedy_outputs_equal_single_instance(pair):
 
 def test_decode_used_transferred_kv(pair):
     before = _counters(pair, "decode")["counters"]
+    skipped_before = _counters(pair, "prefill")["counters"].get("send_window_skipped_bytes", 0)
     hits_before = _p2p_hits(_get(pair.decode_url + "/metrics"))
     prompt = PROMPTS[2] + " again"
     assert _complete(pair.proxy, pair.model, prompt) == _complete(pair.prefill_url, pair.model, prompt)
@@ -122,6 +129,8 @@ def test_decode_used_transferred_kv(pair):
     assert after.get("loads_ok", 0) == before.get("loads_ok", 0) + 1
     assert after.get("tokens_loaded", 0) > before.get("tokens_loaded", 0) + 100
     assert after.get("recv_wire_bytes", 0) > before.get("recv_wire_bytes", 0)
+    # The sliding-window layer went trimmed to its window (decode runs without prefix caching).
+    assert _counters(pair, "prefill")["counters"].get("send_window_skipped_bytes", 0) > skipped_before
     # ... and vLLM's own counter attributes those prompt tokens to a p2p transfer.
     assert _p2p_hits(_get(pair.decode_url + "/metrics")) > hits_before
     # The proxy's stats route exposes the same counters.
@@ -179,8 +188,23 @@ def test_hello_roundtrip_and_validation():
         kv_connector.Hello.unpack(bytes(bad))
     with pytest.raises(ValueError):
         kv_connector.Hello.unpack(h.pack()[:-1])
-    assert kv_connector.unpack_reply(kv_connector.pack_reply(None)) is None
-    assert "TP" in kv_connector.unpack_reply(kv_connector.pack_reply("TP differs"))
+    assert kv_connector.unpack_reply(kv_connector.pack_reply(None)) == (None, 0)
+    reason, _ = kv_connector.unpack_reply(kv_connector.pack_reply("TP differs"))
+    assert "TP" in reason
+    assert kv_connector.unpack_reply(kv_connector.pack_reply(None, kv_connector.REPLY_WINDOW_TRIM)) == (
+        None, kv_connector.REPLY_WINDOW_TRIM)
+    old = bytearray(h.pack())
+    old[4:6] = (2).to_bytes(2, "little")  # version 2 always sent whole layers and had no reply flags
+    with pytest.raises(ValueError, match="version 2"):
+        kv_connector.Hello.unpack(bytes(old))
+
+
+def test_window_first_block():
+    f = kv_connector.window_first_block
+    assert f(4095, None, 16) == 0 and f(4095, 0, 16) == 0  # full attention: every block
+    assert f(300, 512, 16) == 0                           # the prompt fits in the window
+    assert f(4095, 512, 16) == (4095 - 512) // 16 == 223  # decode computes position 4095: keys from 3584
+    assert f(100, 32, 16) == 4                            # keys 68.. are read: blocks 4, 5, 6 stay
 
 
 def test_different_tp_is_refused():
@@ -226,10 +250,10 @@ def _sender(port, **cfg):
     return _kv_connector(peer=f"127.0.0.1:{port}", compression="on", **cfg)
 
 
-def _receiver():
+def _receiver(**cfg):
     from benchmarks.disagg_link import _kv_connector
 
-    r = _kv_connector(listen="127.0.0.1:0")
+    r = _kv_connector(listen="127.0.0.1:0", **cfg)
     r._start_listener()
     return r
 
@@ -243,14 +267,16 @@ def _layers(seed):
     return [torch.randn(nblk, 1, 16, 512, generator=g).to(torch.bfloat16) for _ in range(18)]
 
 
-def _send(s, layers):
-    """One transfer through the sender's own path; returns its xfer id and its stats record."""
+def _send(s, layers, first=lambda i: 0):
+    """One transfer through the sender's own path; returns its xfer id and its stats record.
+    first(i): blocks of layer i left out when it was saved (0: saved whole, as before the
+    peer's reply is known)."""
     import uuid
 
     xfer = uuid.uuid4().hex
     out = kv_connector._Outgoing(kv_connector.SaveSpec("r", xfer, list(range(layers[0].shape[0])), NUM_TOKENS))
     for i, b in enumerate(layers):
-        out.q.put((i, b))
+        out.q.put((i, first(i), b[first(i):]))
     out.q.put(kv_connector._END)
     s._send_one(out)
     return xfer, s._stats.xfers[xfer]
@@ -295,6 +321,98 @@ def test_transfers_reuse_one_connection():
         assert s._stats.counters.get("reconnects", 0) == 0
         assert s._stats.counters.get("sends_ok") == 3
         assert r._stats.counters.get("sessions") == 1
+    finally:
+        s.shutdown()
+        r.shutdown()
+
+
+# A Gemma-3-like layout with a 32-token window: layers 5, 11 and 17 are global. At NUM_TOKENS = 100
+# a windowed layer needs keys from position 68 on: blocks 4-6 of 0-6.
+SMALL_WINDOWS = [None if i % 6 == 5 else 32 for i in range(18)]
+TRIM = kv_connector.window_first_block(NUM_TOKENS, 32, 16)
+
+
+def _trimming_pair(allow, **receiver_cfg):
+    r = _receiver(**receiver_cfg)
+    r._windows, r._allow_trim = list(SMALL_WINDOWS), allow
+    s = _sender(r._listener.port)
+    s._windows = list(SMALL_WINDOWS)
+    return r, s
+
+
+def test_sliding_window_layers_go_trimmed_and_land_in_place():
+    import torch
+
+    r, s = _trimming_pair(True, test_poison_untransferred=True)
+    try:
+        layers = _layers(3)
+        xfer, rec = _send(s, layers)
+        assert "error" not in rec, rec
+        entry = _received(r, xfer)
+        assert TRIM == 4 and s._peer_trim
+        _assert_bitwise(entry, [b[TRIM:] if w else b for b, w in zip(layers, SMALL_WINDOWS)])
+        page = s._page_nbytes
+        assert rec["raw_bytes"] == (3 * 7 + 15 * (7 - TRIM)) * page
+        assert s._stats.counters["send_window_skipped_bytes"] == 15 * TRIM * page
+        # Into a paged cache: each layer's blocks where the block table says; what a windowed
+        # layer did not get is filled with NaN (test_poison_untransferred); other blocks untouched.
+        for first_pos in (0, 5):  # 5: the first five blocks were local prefix-cache hits
+            r._kv = {n: torch.zeros(12, 1, 16, 512, dtype=torch.bfloat16) for n in r._layer_names}
+            table = [11, 3, 5, 7, 9, 1, 0]
+            r._inject(kv_connector.LoadSpec("r", xfer, table, first_pos, NUM_TOKENS), entry)
+            for i, name in enumerate(r._layer_names):
+                kv = r._kv[name]
+                for j, blk in enumerate(table):
+                    if j < first_pos:
+                        assert not kv[blk].any(), (i, j)
+                    elif SMALL_WINDOWS[i] and j < TRIM:
+                        assert kv[blk].isnan().all(), (i, j)
+                    else:
+                        assert torch_equal_bits(kv[blk], layers[i][j]), (i, j)
+                for blk in (2, 4, 6, 8, 10):
+                    assert not kv[blk].any()
+    finally:
+        s.shutdown()
+        r.shutdown()
+
+
+def test_decode_with_prefix_caching_takes_whole_layers_only():
+    """A decode side that does not allow trimming (prefix caching on) gets whole layers; a
+    sender that trims anyway is refused there, and the next transfer recovers."""
+    r, s = _trimming_pair(False)
+    try:
+        layers = _layers(4)
+        xfer, rec = _send(s, layers)
+        assert "error" not in rec, rec
+        _assert_bitwise(_received(r, xfer), layers)
+        assert not s._peer_trim and s._stats.counters["send_window_skipped_bytes"] == 0
+        s._peer_trim = True  # as if it had missed the decode side's reply
+        xfer, rec = _send(s, layers)
+        entry = _received(r, xfer)
+        assert "unexpected message" in entry.error and not entry.done
+        xfer, rec = _send(s, layers)  # a new connection; its reply says "whole layers"
+        assert "error" not in rec, rec
+        _assert_bitwise(_received(r, xfer), layers)
+        assert not s._peer_trim
+    finally:
+        s.shutdown()
+        r.shutdown()
+
+
+def test_layers_saved_trimmed_fail_cleanly_when_the_peer_wants_them_whole():
+    """The decode instance came back with prefix caching on between a layer's save (trimmed,
+    per the last reply) and its send: that transfer fails (decode applies its load-failure
+    policy) and the next one, saved whole, goes through on the same connection."""
+    r, s = _trimming_pair(False)
+    try:
+        layers = _layers(5)
+        s._peer_trim = True  # what the start-up probe said, before the decode side restarted
+        _, rec = _send(s, layers, first=lambda i: TRIM if SMALL_WINDOWS[i] else 0)
+        assert "wants every block" in rec["error"]
+        xfer, rec = _send(s, layers)
+        assert "error" not in rec, rec
+        _assert_bitwise(_received(r, xfer), layers)
+        assert s._stats.counters.get("connects") == 1
     finally:
         s.shutdown()
         r.shutdown()

@@ -219,7 +219,10 @@ def start_pair(stack: ExitStack, model: str, workdir: Path, *, tp: int = 1, comp
                extra_extra: dict | None = None, policy: str = "recompute", timeout: float = 900,
                vllm_args: list[str] = (), env_extra: dict | None = None) -> "Pair":
     """Starts decode and prefill (concurrently) and waits for both. `*_wrap` prefixes a
-    command (e.g. `ip netns exec X`). The stack stops both (their whole process groups)."""
+    command (e.g. `ip netns exec X`). The stack stops both (their whole process groups).
+    The decode instance runs without prefix caching: every prompt's KV comes from the prefill
+    instance anyway (which keeps its prefix cache), and without it decode accepts
+    sliding-window layers trimmed to their window (kv_connector.REPLY_WINDOW_TRIM)."""
     from uzip_vllm.demo import VLLM_ENV, free_port, spawn, wait_http
 
     if tp not in (1, 2):
@@ -242,6 +245,8 @@ def start_pair(stack: ExitStack, model: str, workdir: Path, *, tp: int = 1, comp
         args = [*wrap, sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, "--port", str(port),
                 "--host", host, "--enforce-eager", "--max-model-len", str(max_model_len),
                 "--tensor-parallel-size", str(tp), "--seed", "0", "--kv-transfer-config", cfg, *vllm_args]
+        if role == "decode":
+            args.append("--no-enable-prefix-caching")
         log = workdir / f"{role}.log"
         procs.append((spawn(stack, args, log, env), log))
         urls.append(f"http://{host}:{port}")

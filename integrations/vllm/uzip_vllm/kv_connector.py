@@ -69,7 +69,8 @@ _XFER_ID = re.compile(r"^[0-9a-f]{32}$")
 # session hello, answered with a reply; a session then carries any number of transfers, one after
 # another, each a transfer hello (not answered: its layers follow at once) and its layers.
 #   4s  magic "UZKV"
-#   u16 version (2; version 1 opened a connection per transfer and answered its hello)
+#   u16 version (3; 2 had no reply flags and always sent every block, 1 opened a connection per
+#       transfer and answered its hello)
 #   u16 kind: 1 = probe (start-up layout check; the sender closes after the reply),
 #             2 = transfer (on a session only), 3 = session (a kept-open connection for transfers)
 #   u16 tp_size, u16 tp_rank of the sender
@@ -80,15 +81,23 @@ _XFER_ID = re.compile(r"^[0-9a-f]{32}$")
 #   u32 num_blocks: blocks per layer message (ceil(num_tokens / block_size))
 #   u64 page_nbytes: bytes of one block of one layer
 #   32s xfer_id: ASCII hex (zeros for a probe)
-# Then, for a transfer, num_layers p2p tensor messages, each {"<layer index>": [num_blocks, *page]}.
+# Then, for a transfer, num_layers p2p tensor messages, each {"<layer index>": [n, *page]}: the
+# layer's last n of its num_blocks blocks. n = num_blocks, except for a sliding-window layer when
+# the decode side allowed trimming (reply flag WINDOW_TRIM): then n may be as small as
+# num_blocks - window_first_block(num_tokens, window, block_size), the blocks its attention
+# can still read.
 HELLO = struct.Struct("<4sHHHHHBBIIIQ32s")
 HELLO_MAGIC = b"UZKV"
-HELLO_VERSION = 2
+HELLO_VERSION = 3
 KIND_PROBE, KIND_TRANSFER, KIND_SESSION = 1, 2, 3
 # Receiver -> sender, the answer to a probe or session hello: 4s magic "UZKA", u32 status (0 ok, 1 refused),
-# then a UTF-8 reason (at most 1 KiB) when refused.
-REPLY = struct.Struct("<4sI")
+# u32 flags, then a UTF-8 reason (at most 1 KiB) when refused.
+REPLY = struct.Struct("<4sII")
 REPLY_MAGIC = b"UZKA"
+# The decode side accepts sliding-window layers without the blocks their window no longer covers.
+# It allows this only with prefix caching off: a cached block must hold every layer's KV, since a
+# later request that hits it may reach back further than this one's window did.
+REPLY_WINDOW_TRIM = 1
 _DTYPES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.uint8: 4, torch.int8: 5}
 if hasattr(torch, "float8_e4m3fn"):
     _DTYPES[torch.float8_e4m3fn] = 6
@@ -132,17 +141,30 @@ class Hello:
                    page_nbytes, xfer_id)
 
 
-def pack_reply(reason: str | None) -> bytes:
-    return REPLY.pack(REPLY_MAGIC, 0 if reason is None else 1) + (reason or "").encode()[:1024]
+def pack_reply(reason: str | None, flags: int = 0) -> bytes:
+    return REPLY.pack(REPLY_MAGIC, 0 if reason is None else 1, flags) + (reason or "").encode()[:1024]
 
 
-def unpack_reply(data: bytes) -> str | None:
+def unpack_reply(data: bytes) -> tuple[str | None, int]:
+    """(the refusal's reason or None, flags)"""
     if len(data) < REPLY.size:
         raise ValueError("short reply")
-    magic, status = REPLY.unpack_from(data)
+    magic, status, flags = REPLY.unpack_from(data)
     if magic != REPLY_MAGIC:
         raise ValueError(f"bad reply magic {magic!r}")
-    return None if status == 0 else data[REPLY.size:].decode("utf-8", "replace") or "refused"
+    return (None if status == 0 else data[REPLY.size:].decode("utf-8", "replace") or "refused"), flags
+
+
+def window_first_block(num_tokens: int, window: int | None, block_size: int) -> int:
+    """The first of a transfer's blocks that a layer with this sliding window can still read.
+
+    Decode computes the last prompt token (position num_tokens) and then later ones; a sliding-
+    window layer at position q attends to the keys q - window + 1 .. q (vLLM's convention; one
+    more if a backend counts the window without q). So keys before num_tokens - window are never
+    read again, and every block before the one holding that position may stay behind."""
+    if not window or window <= 0:
+        return 0
+    return max(0, num_tokens - window) // block_size
 
 
 # ---- settings -------------------------------------------------------------------------------------
@@ -160,6 +182,13 @@ class UzipKVConfig:
     startup_timeout_s: float = 300.0 # producer: how long start-up waits for the decode listener
     stats_dir: str | None = None     # where each worker writes its counters (JSON) for the proxy
     test_layer_delay_s: float = 0.0  # tests only: the sender sleeps this long before each layer
+    # Send a sliding-window layer's KV only from where its window starts (Gemma-3: 15 of 18 layers
+    # keep 512 tokens; 3.7x fewer bytes at 4096 tokens). Used when the decode side allows it,
+    # which it does with prefix caching off (REPLY_WINDOW_TRIM); `uzip disagg up` starts it so.
+    window_trim: bool = True
+    # Tests only: the decode side fills the blocks a trimmed layer did not send with NaN, so a
+    # kernel that read them would show in the output.
+    test_poison_untransferred: bool = False
     # False: the sender starts only once the forward is done (wait_for_save), so the whole
     # transfer lies on the TTFT path. For measuring what the transfer costs TTFT (uzip bench
     # disagg --no-overlap); serving keeps the default, which sends layers as they are computed.
@@ -353,6 +382,18 @@ def _tp() -> tuple[int, int]:
 
 # ---- the connector ---------------------------------------------------------------------------------
 
+def _layer_windows(vllm_config: "VllmConfig", layer_names: list[str]) -> list[int | None]:
+    """Each KV layer's sliding window (None: full attention, or a layer not found). Read from the
+    attention layers themselves: with the hybrid KV cache manager off (always, on CPU, and with
+    connectors that lack HMA support) the cache spec merges windowed and global layers."""
+    layers = vllm_config.compilation_config.static_forward_context
+    out = []
+    for name in layer_names:
+        w = getattr(layers.get(name), "sliding_window", None)
+        out.append(w if isinstance(w, int) and w > 0 else None)
+    return out
+
+
 class UzipConnector(KVConnectorBase_V1):
     """KV hand-off from a prefill instance (kv_producer) to a decode instance (kv_consumer).
 
@@ -378,11 +419,14 @@ class UzipConnector(KVConnectorBase_V1):
         self._kv: dict[str, torch.Tensor] = {}
         self._layer_index: dict[str, int] = {}
         self._layer_names: list[str] = []
+        self._windows: list[int | None] = []  # per layer: its sliding window, None for full attention
         self._stats: _Stats | None = None
         self._outgoing: dict[str, _Outgoing] = {}
         self._pending: dict[str, tuple[LoadSpec, float]] = {}
         self._transport = None
         self._init_link_state()
+        self._allow_trim = (not self._producer and self._cfg.window_trim
+                            and not vllm_config.cache_config.enable_prefix_caching)
 
     def _init_link_state(self) -> None:
         """What the sender and receiver threads share (also used by benchmarks/disagg_link.py)."""
@@ -394,6 +438,8 @@ class UzipConnector(KVConnectorBase_V1):
         self._incoming_lock = threading.Lock()
         self._arrived = threading.Event()               # set by receiver threads when a transfer ends
         self._closed = False
+        self._allow_trim = False                        # consumer: replies REPLY_WINDOW_TRIM
+        self._peer_trim = False                         # producer: the decode peer's last reply allowed trimming
 
     # ==== scheduler side ====================================================================
 
@@ -465,6 +511,7 @@ class UzipConnector(KVConnectorBase_V1):
         self._kv = {name: (t[0] if isinstance(t, (list, tuple)) else t) for name, t in kv_caches.items()}
         self._layer_names = list(self._kv)
         self._layer_index = {n: i for i, n in enumerate(self._layer_names)}
+        self._windows = _layer_windows(self._vllm_config, self._layer_names)
         first = self._kv[self._layer_names[0]]
         for name, t in self._kv.items():
             if t.shape[1:] != first.shape[1:] or t.dtype != first.dtype:
@@ -528,7 +575,7 @@ class UzipConnector(KVConnectorBase_V1):
                 continue
             try:
                 ep.send_bytes(self._hello(KIND_PROBE).pack())
-                reason = unpack_reply(ep.recv_bytes(4096))
+                reason, flags = unpack_reply(ep.recv_bytes(4096))
             except Exception as e:  # noqa: BLE001
                 last = e
                 ep.abort()
@@ -538,7 +585,9 @@ class UzipConnector(KVConnectorBase_V1):
             if reason:
                 raise RuntimeError(f"UzipConnector: the decode instance at {host}:{port} refused this prefill "
                                    f"instance: {reason}")
-            logger.info("UzipConnector: decode peer %s:%d accepted the layout", host, port)
+            self._peer_trim = bool(flags & REPLY_WINDOW_TRIM)
+            logger.info("UzipConnector: decode peer %s:%d accepted the layout (sliding-window layers %s)", host,
+                        port, "trimmed to their window" if self._peer_trim and self._cfg.window_trim else "sent whole")
             return
         logger.warning("UzipConnector: decode peer %s:%d not reachable within %.0f s (%s); transfers will be "
                        "tried per request", host, port, self._cfg.startup_timeout_s, last)
@@ -562,8 +611,9 @@ class UzipConnector(KVConnectorBase_V1):
                 out = self._outgoing[spec.xfer_id] = _Outgoing(spec)
                 if self._cfg.overlap:
                     self._sender.submit(self._send_one, out)
-            ids = torch.tensor(spec.block_ids, dtype=torch.long, device=layer.device)
-            out.q.put((idx, layer.index_select(0, ids).cpu()))
+            first = self._first_block(idx, spec.num_tokens)
+            ids = torch.tensor(spec.block_ids[first:], dtype=torch.long, device=layer.device)
+            out.q.put((idx, first, layer.index_select(0, ids).cpu()))
             if idx == len(self._layer_names) - 1:
                 # The last layer's KV exists: the prompt's compute, as far as the transfer is concerned.
                 self._stats.note(spec.xfer_id, t_last_layer=time.time())
@@ -601,9 +651,9 @@ class UzipConnector(KVConnectorBase_V1):
                 layers = self._next_layers(out, sent, total)
                 ts = time.perf_counter()
                 if ep is None:
-                    ep, st = self._begin(transport, hello, layers)
+                    ep, st = self._begin(transport, hello, spec, layers)
                 else:
-                    st = ep.send_tensors(layers)
+                    st = ep.send_tensors(self._wire_layers(spec, layers))
                 active += time.perf_counter() - ts
                 raw += st.raw_bytes
                 wire += st.wire_bytes
@@ -613,8 +663,10 @@ class UzipConnector(KVConnectorBase_V1):
             t1 = time.time()
             stats.note(spec.xfer_id, t_send_start=t0, t_send_done=t1, send_active_s=active, raw_bytes=raw,
                        wire_bytes=wire, compression=transport.compression)
+            # what the sliding windows saved: every layer's every block, less what went
+            skipped = total * len(spec.block_ids) * self._page_nbytes - raw
             stats.add(sends_ok=1, send_raw_bytes=raw, send_wire_bytes=wire, send_seconds=t1 - t0,
-                      send_active_seconds=active)
+                      send_active_seconds=active, send_window_skipped_bytes=skipped)
         except Exception as e:  # noqa: BLE001 - the decode side applies its load-failure policy
             logger.warning("UzipConnector: sending KV of %s failed: %s", spec.req_id, e)
             if ep is not None:
@@ -622,7 +674,27 @@ class UzipConnector(KVConnectorBase_V1):
             stats.note(spec.xfer_id, t_send_start=t0, error=str(e)[:300])
             stats.add(sends_failed=1)
 
-    def _next_layers(self, out: _Outgoing, sent: int, total: int) -> dict[str, torch.Tensor]:
+    def _first_block(self, idx: int, num_tokens: int) -> int:
+        """The first block of layer idx to send: past what its sliding window no longer reads
+        when the decode peer accepts that, else 0."""
+        if not (self._cfg.window_trim and self._peer_trim) or idx >= len(self._windows):
+            return 0
+        return window_first_block(num_tokens, self._windows[idx], self._block_size)
+
+    def _wire_layers(self, spec: SaveSpec, layers: list) -> dict[str, torch.Tensor]:
+        """The messages of saved (layer, first block, blocks) entries, as the connection's peer
+        takes them: trimmed where it allows (even if saved whole, before its reply was known);
+        a trimmed save on a connection whose peer does not allow it fails the transfer."""
+        msgs = {}
+        for idx, first, blocks in layers:
+            want = self._first_block(idx, spec.num_tokens)
+            if first > want:
+                raise RuntimeError(f"layer {idx} was saved without its first {first} blocks, but the decode peer "
+                                   f"now wants every block (prefix caching on there?); later transfers send all")
+            msgs[str(idx)] = blocks[want - first:]
+        return msgs
+
+    def _next_layers(self, out: _Outgoing, sent: int, total: int) -> list:
         """Every layer saved by now, waiting for the first: while the forward outruns the link,
         layers queue up, and one transfer pipelines their chunks (compress the next while one is
         on the wire) where one transfer per layer would pay compress, wire, decode and an ack in
@@ -634,9 +706,9 @@ class UzipConnector(KVConnectorBase_V1):
             raise RuntimeError(f"only {sent + len(ready) - 1} of {total} layers were saved")
         if self._cfg.test_layer_delay_s:
             time.sleep(self._cfg.test_layer_delay_s)
-        return {str(idx): blocks for idx, blocks in ready}
+        return ready
 
-    def _begin(self, transport, hello: bytes, layers: dict[str, torch.Tensor]):
+    def _begin(self, transport, hello: bytes, spec: SaveSpec, layers: list):
         """Starts a transfer: its hello and first layers, on a kept-open connection when there is
         one. A kept connection that turns out broken (the decode instance restarted, the link
         dropped) is replaced once: nothing of this transfer was accepted on it (the decode side
@@ -651,12 +723,17 @@ class UzipConnector(KVConnectorBase_V1):
             self._stats.add(reconnects=1)
         if ep is not None:
             try:
-                return ep, self._start(ep, hello, layers)
+                return ep, self._start(ep, hello, self._wire_layers(spec, layers))
             except TransferError as e:
                 logger.info("UzipConnector: a kept connection to the decode peer broke (%s); reconnecting", e)
                 self._stats.add(reconnects=1)
-        ep = self._connect(transport)
-        return ep, self._start(ep, hello, layers)
+        ep = self._connect(transport)  # its reply may change what the peer takes
+        try:
+            msgs = self._wire_layers(spec, layers)
+        except BaseException:
+            self._links.put(transport.compression, ep)  # nothing sent on it: still good
+            raise
+        return ep, self._start(ep, hello, msgs)
 
     @staticmethod
     def _start(ep, hello: bytes, layers: dict[str, torch.Tensor]):
@@ -677,13 +754,14 @@ class UzipConnector(KVConnectorBase_V1):
         ep = p2p.connect_sync(host, port + self._tp_rank, transport)
         try:
             ep.send_bytes(self._hello(KIND_SESSION).pack())
-            reason = unpack_reply(ep.recv_bytes(4096))
+            reason, flags = unpack_reply(ep.recv_bytes(4096))
         except BaseException:
             ep.abort()
             raise
         if reason:
             ep.abort()
             raise RuntimeError(f"decode refused: {reason}")
+        self._peer_trim = bool(flags & REPLY_WINDOW_TRIM)
         self._stats.add(connects=1)
         return ep
 
@@ -720,7 +798,7 @@ class UzipConnector(KVConnectorBase_V1):
             reason = self._check_hello(hello)
             if reason is None and hello.kind == KIND_TRANSFER:
                 reason = "a transfer hello before a session hello"
-            ep.send_bytes(pack_reply(reason))
+            ep.send_bytes(pack_reply(reason, REPLY_WINDOW_TRIM if self._allow_trim else 0))
             if reason is not None:
                 logger.warning("UzipConnector: refused a prefill peer: %s", reason)
                 self._stats.add(refused=1)
@@ -760,13 +838,15 @@ class UzipConnector(KVConnectorBase_V1):
         with self._incoming_lock:
             self._incoming[hello.xfer_id] = entry
         try:
-            want_shape = (hello.num_blocks, *self._page_shape)
             i = 0
             while i < hello.num_layers:  # one transfer carries the next one or more layers, in order
                 got = ep.recv_tensors()
                 st = ep.last_stats
                 for name, t in got.items():
-                    if i >= hello.num_layers or name != str(i) or tuple(t.shape) != want_shape or t.dtype != self._dtype:
+                    least = hello.num_blocks - (window_first_block(hello.num_tokens, self._windows[i], self._block_size)
+                                                if self._allow_trim and i < len(self._windows) else 0)
+                    if (i >= hello.num_layers or name != str(i) or tuple(t.shape[1:]) != self._page_shape
+                            or not least <= t.shape[0] <= hello.num_blocks or t.dtype != self._dtype):
                         raise ValueError(f"layer {i}: unexpected message "
                                          f"{[(k, tuple(v.shape), v.dtype) for k, v in got.items()]}")
                     entry.layers[i] = t
@@ -860,10 +940,15 @@ class UzipConnector(KVConnectorBase_V1):
             raise ValueError(f"{h.num_blocks} blocks sent, {len(spec.block_ids)} allocated")
         if spec.first_pos >= len(spec.block_ids):
             return
-        dst = torch.tensor(spec.block_ids[spec.first_pos:], dtype=torch.long)
         for i, name in enumerate(self._layer_names):
-            kv = self._kv[name]
-            kv.index_copy_(0, dst.to(kv.device), entry.layers[i][spec.first_pos:].to(kv.device))
+            kv, blocks = self._kv[name], entry.layers[i]
+            skipped = h.num_blocks - blocks.shape[0]  # a sliding-window layer's blocks before its window
+            start = max(spec.first_pos, skipped)
+            dst = torch.tensor(spec.block_ids[start:], dtype=torch.long, device=kv.device)
+            kv.index_copy_(0, dst, blocks[start - skipped:].to(kv.device))
+            if self._cfg.test_poison_untransferred and skipped > spec.first_pos:
+                gone = torch.tensor(spec.block_ids[spec.first_pos:skipped], dtype=torch.long, device=kv.device)
+                kv.index_fill_(0, gone, float("nan"))
 
     def _gc(self) -> None:
         """Drops received transfers nobody claimed (the decode request never came)."""
