@@ -244,9 +244,8 @@ def start_pair(stack: ExitStack, model: str, workdir: Path, *, tp: int = 1, comp
         port = free_port()
         args = [*wrap, sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, "--port", str(port),
                 "--host", host, "--enforce-eager", "--max-model-len", str(max_model_len),
-                "--tensor-parallel-size", str(tp), "--seed", "0", "--kv-transfer-config", cfg, *vllm_args]
-        if role == "decode":
-            args.append("--no-enable-prefix-caching")
+                "--tensor-parallel-size", str(tp), "--seed", "0", "--kv-transfer-config", cfg,
+                *(["--no-enable-prefix-caching"] if role == "decode" else []), *vllm_args]  # the caller's last
         log = workdir / f"{role}.log"
         procs.append((spawn(stack, args, log, env), log))
         urls.append(f"http://{host}:{port}")
