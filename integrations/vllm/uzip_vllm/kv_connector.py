@@ -426,7 +426,7 @@ class UzipConnector(KVConnectorBase_V1):
         self._transport = None
         self._init_link_state()
         self._allow_trim = (not self._producer and self._cfg.window_trim
-                            and not vllm_config.cache_config.enable_prefix_caching)
+                            and vllm_config.cache_config.enable_prefix_caching is False)
 
     def _init_link_state(self) -> None:
         """What the sender and receiver threads share (also used by benchmarks/disagg_link.py)."""
