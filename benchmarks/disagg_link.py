@@ -453,9 +453,9 @@ def kv_only(args) -> int:
         for k, rate in enumerate(args.rates):
             set_rate(rate)
             port = args.kv_port + k  # a fresh port: the last receiver's may linger
+            trim = ["--kv-only-window-trim"] if args.kv_only_window_trim else []
             recv = subprocess.Popen(["ip", "netns", "exec", NS["dc"], sys.executable, "-m", "benchmarks.disagg_link",
-                                     "--kv-only-role", "recv", "--kv-port", str(port)]
-                                    + (["--kv-only-window-trim"] if args.kv_only_window_trim else []),
+                                     "--kv-only-role", "recv", "--kv-port", str(port), *trim],
                                     stdout=subprocess.PIPE, text=True, cwd=str(REPO), env=env, start_new_session=True)
             try:
                 assert recv.stdout.readline().strip() == "READY"
@@ -464,8 +464,7 @@ def kv_only(args) -> int:
                                     ",".join(map(str, args.input_lens)), "--repeats", str(args.repeats),
                                     "--kv-chunk-bytes", str(args.kv_chunk_bytes),
                                     "--kv-only-gap", str(args.kv_only_gap)]
-                                   + (["--kv-only-touch"] if args.kv_only_touch else [])
-                                   + (["--kv-only-window-trim"] if args.kv_only_window_trim else []),
+                                   + (["--kv-only-touch"] if args.kv_only_touch else []) + trim,
                                    capture_output=True, text=True, cwd=str(REPO), env=env, timeout=1200)
                 line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
                 if not line:

@@ -674,12 +674,17 @@ class UzipConnector(KVConnectorBase_V1):
             stats.note(spec.xfer_id, t_send_start=t0, error=str(e)[:300])
             stats.add(sends_failed=1)
 
+    def _window_first_block(self, idx: int, num_tokens: int) -> int:
+        """window_first_block for layer idx (0 for a layer of unknown window)."""
+        window = self._windows[idx] if idx < len(self._windows) else None
+        return window_first_block(num_tokens, window, self._block_size)
+
     def _first_block(self, idx: int, num_tokens: int) -> int:
         """The first block of layer idx to send: past what its sliding window no longer reads
         when the decode peer accepts that, else 0."""
-        if not (self._cfg.window_trim and self._peer_trim) or idx >= len(self._windows):
+        if not (self._cfg.window_trim and self._peer_trim):
             return 0
-        return window_first_block(num_tokens, self._windows[idx], self._block_size)
+        return self._window_first_block(idx, num_tokens)
 
     def _wire_layers(self, spec: SaveSpec, layers: list) -> dict[str, torch.Tensor]:
         """The messages of saved (layer, first block, blocks) entries, as the connection's peer
@@ -843,8 +848,8 @@ class UzipConnector(KVConnectorBase_V1):
                 got = ep.recv_tensors()
                 st = ep.last_stats
                 for name, t in got.items():
-                    least = hello.num_blocks - (window_first_block(hello.num_tokens, self._windows[i], self._block_size)
-                                                if self._allow_trim and i < len(self._windows) else 0)
+                    trimmed = self._window_first_block(i, hello.num_tokens) if self._allow_trim else 0
+                    least = hello.num_blocks - trimmed
                     if (i >= hello.num_layers or name != str(i) or tuple(t.shape[1:]) != self._page_shape
                             or not least <= t.shape[0] <= hello.num_blocks or t.dtype != self._dtype):
                         raise ValueError(f"layer {i}: unexpected message "
