@@ -4,8 +4,8 @@ this process. One pair serves the module (each vLLM start-up costs about a minut
 
 Ground truth is the prefill instance asked directly (a plain single instance: it takes part in
 a transfer only when a request carries `kv_transfer_params`), before any disaggregated request.
-The senders sleep `test_layer_delay_s` before each layer, so a transfer lasts long enough for
-the kill test to kill the prefill instance while layers are on the way.
+The senders hold every layer back while `test_hold_file` exists, so the kill test kills the
+prefill instance while its transfer is certainly unfinished.
 """
 
 import asyncio
@@ -38,7 +38,6 @@ MAX_TOKENS = 12
 # 128-token CPU blocks) is sent without that layer's first two blocks; the decode side fills them
 # with NaN, so attention that read them would show in the output (trimming one block more does).
 WINDOW = 32
-LAYER_DELAY_S = 0.4
 LOAD_TIMEOUT_S = 15.0
 
 
@@ -80,7 +79,7 @@ def pair(tmp_path_factory):
     work = tmp_path_factory.mktemp("disagg")
     with ExitStack() as stack:
         p = disagg.start_pair(stack, model, work, compression="on", policy="recompute",
-                              extra_extra={"load_timeout_s": LOAD_TIMEOUT_S, "test_layer_delay_s": LAYER_DELAY_S,
+                              extra_extra={"load_timeout_s": LOAD_TIMEOUT_S, "test_hold_file": str(work / "hold"),
                                            "test_poison_untransferred": True},
                               vllm_args=["--hf-overrides", json.dumps({"sliding_window": WINDOW})])
         proxy = disagg.Proxy(p.prefill_url, p.decode_url, p.stats_dir)
@@ -100,7 +99,8 @@ def pair(tmp_path_factory):
         stack.callback(lambda: (loop.call_soon_threadsafe(stop.set), t.join(10)))
         ref = {prompt: _complete(p.prefill_url, model, prompt) for prompt in PROMPTS}
         yield type("Pair", (), dict(model=model, proxy=url, prefill_url=p.prefill_url, decode_url=p.decode_url,
-                                    stats_dir=p.stats_dir, prefill_proc=p.prefill_proc, ref=ref, work=work))
+                                    stats_dir=p.stats_dir, prefill_proc=p.prefill_proc, ref=ref, work=work,
+                                    hold=work / "hold"))
 
 
 def test_greedy_outputs_equal_single_instance(pair):
@@ -120,7 +120,7 @@ def test_greedy_outputs_equal_single_instance(pair):
 
 def test_decode_used_transferred_kv(pair):
     before = _counters(pair, "decode")["counters"]
-    skipped_before = _counters(pair, "prefill")["counters"].get("send_window_skipped_bytes", 0)
+    sender_before = _counters(pair, "prefill")["counters"]
     hits_before = _p2p_hits(_get(pair.decode_url + "/metrics"))
     prompt = PROMPTS[2] + " again"
     assert _complete(pair.proxy, pair.model, prompt) == _complete(pair.prefill_url, pair.model, prompt)
@@ -130,7 +130,13 @@ def test_decode_used_transferred_kv(pair):
     assert after.get("tokens_loaded", 0) > before.get("tokens_loaded", 0) + 100
     assert after.get("recv_wire_bytes", 0) > before.get("recv_wire_bytes", 0)
     # The sliding-window layer went trimmed to its window (decode runs without prefix caching).
-    assert _counters(pair, "prefill")["counters"].get("send_window_skipped_bytes", 0) > skipped_before
+    # The sender counts a transfer once its last send returns, which can come seconds after
+    # decode answered (and after the next test began: the earlier, untrimmed transfers count late).
+    deadline = time.monotonic() + 30
+    skipped_before = sender_before.get("send_window_skipped_bytes", 0)
+    while _counters(pair, "prefill")["counters"].get("send_window_skipped_bytes", 0) <= skipped_before:
+        assert time.monotonic() < deadline, "the sliding-window layer was not trimmed"
+        time.sleep(0.05)
     # ... and vLLM's own counter attributes those prompt tokens to a p2p transfer.
     assert _p2p_hits(_get(pair.decode_url + "/metrics")) > hits_before
     # The proxy's stats route exposes the same counters.
@@ -155,15 +161,19 @@ def test_prefill_killed_mid_transfer_recomputes(pair):
             result["error"] = e
         result["seconds"] = time.monotonic() - t0
 
-    th = threading.Thread(target=run)
-    th.start()
-    # The prefill worker notes a transfer when its forward is done; its sender then spends
-    # LAYER_DELAY_S before each layer: kill it in that window.
-    deadline = time.monotonic() + 60
-    while len(_counters(pair, "prefill")["xfers"]) == sent_before:
-        assert time.monotonic() < deadline, "the prefill instance never started the transfer"
-        time.sleep(0.05)
-    os.killpg(pair.prefill_proc.pid, signal.SIGKILL)
+    # The prefill worker notes a transfer when its forward is done; its sender then holds every
+    # layer while the hold file exists: kill it there.
+    pair.hold.touch()
+    try:
+        th = threading.Thread(target=run)
+        th.start()
+        deadline = time.monotonic() + 60
+        while len(_counters(pair, "prefill")["xfers"]) == sent_before:
+            assert time.monotonic() < deadline, "the prefill instance never started the transfer"
+            time.sleep(0.05)
+        os.killpg(pair.prefill_proc.pid, signal.SIGKILL)
+    finally:
+        pair.hold.unlink()
     th.join(LOAD_TIMEOUT_S + 60)
     assert not th.is_alive(), "the request hung after the prefill instance died"
     # Recomputed (policy "recompute"): the right answer, within the load deadline plus compute.

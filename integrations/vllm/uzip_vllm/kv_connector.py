@@ -181,7 +181,9 @@ class UzipKVConfig:
     load_timeout_s: float = 30.0     # decode: a load not complete by then fails (policy applies)
     startup_timeout_s: float = 300.0 # producer: how long start-up waits for the decode listener
     stats_dir: str | None = None     # where each worker writes its counters (JSON) for the proxy
-    test_layer_delay_s: float = 0.0  # tests only: the sender sleeps this long before each layer
+    # Tests only: while this file exists the sender holds every layer back, so a test can kill the
+    # prefill instance mid-transfer without racing a timer (a timed delay was flaky on CI).
+    test_hold_file: str | None = None
     # Send a sliding-window layer's KV only from where its window starts (Gemma-3: 15 of 18 layers
     # keep 512 tokens; 3.7x fewer bytes at 4096 tokens). Used when the decode side allows it,
     # which it does with prefix caching off (REPLY_WINDOW_TRIM); `uzip disagg up` starts it so.
@@ -709,8 +711,9 @@ class UzipConnector(KVConnectorBase_V1):
             ready.append(out.q.get_nowait())
         if ready[-1] is _END:
             raise RuntimeError(f"only {sent + len(ready) - 1} of {total} layers were saved")
-        if self._cfg.test_layer_delay_s:
-            time.sleep(self._cfg.test_layer_delay_s)
+        hold_until = time.monotonic() + 300
+        while self._cfg.test_hold_file and os.path.exists(self._cfg.test_hold_file) and time.monotonic() < hold_until:
+            time.sleep(0.05)
         return ready
 
     def _begin(self, transport, hello: bytes, spec: SaveSpec, layers: list):
