@@ -4,8 +4,8 @@ this process. One pair serves the module (each vLLM start-up costs about a minut
 
 Ground truth is the prefill instance asked directly (a plain single instance: it takes part in
 a transfer only when a request carries `kv_transfer_params`), before any disaggregated request.
-The senders hold every layer back while `test_hold_file` exists, so the kill test kills the
-prefill instance while its transfer is certainly unfinished.
+While `test_hold_file` exists the senders hold every layer after the first, so the kill test
+kills the prefill instance while its transfer is certainly half done.
 """
 
 import asyncio
@@ -148,7 +148,7 @@ def test_decode_used_transferred_kv(pair):
 def test_prefill_killed_mid_transfer_recomputes(pair):
     """Last in the module: it kills the prefill instance."""
     before = _counters(pair, "decode")["counters"]
-    sent_before = len(_counters(pair, "prefill")["xfers"])
+    began_before = sum("t_recv_first" in x for x in _counters(pair, "decode")["xfers"].values())
     prompt = PROMPTS[2] + " killed"
     want = _complete(pair.decode_url, pair.model, prompt)  # decode alone, no transfer
     result = {}
@@ -161,15 +161,15 @@ def test_prefill_killed_mid_transfer_recomputes(pair):
             result["error"] = e
         result["seconds"] = time.monotonic() - t0
 
-    # The prefill worker notes a transfer when its forward is done; its sender then holds every
-    # layer while the hold file exists: kill it there.
+    # The decode worker notes a transfer's first message (the hello and layer 0: the prefill's
+    # sender holds every later layer while the hold file exists): kill it there.
     pair.hold.touch()
     try:
         th = threading.Thread(target=run)
         th.start()
         deadline = time.monotonic() + 60
-        while len(_counters(pair, "prefill")["xfers"]) == sent_before:
-            assert time.monotonic() < deadline, "the prefill instance never started the transfer"
+        while sum("t_recv_first" in x for x in _counters(pair, "decode")["xfers"].values()) == began_before:
+            assert time.monotonic() < deadline, "the transfer never reached the decode instance"
             time.sleep(0.05)
         os.killpg(pair.prefill_proc.pid, signal.SIGKILL)
     finally:
@@ -182,6 +182,10 @@ def test_prefill_killed_mid_transfer_recomputes(pair):
     after = _counters(pair, "decode")["counters"]
     assert after.get("loads_failed", 0) == before.get("loads_failed", 0) + 1
     assert after.get("loads_ok", 0) == before.get("loads_ok", 0)
+    cut = [x for x in _counters(pair, "decode")["xfers"].values() if "t_recv_first" in x and "t_injected" not in x]
+    # The decode worker saw the peer die (UCX), not just the load deadline pass.
+    assert len(cut) == 1 and cut[0]["first_layers"] == 1 and "PeerError" in cut[0]["error"], cut
+    assert result["seconds"] < LOAD_TIMEOUT_S, result
     # The decode instance keeps serving.
     assert _complete(pair.decode_url, pair.model, PROMPTS[1]) == pair.ref[PROMPTS[1]]
 

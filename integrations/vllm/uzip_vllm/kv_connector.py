@@ -181,8 +181,9 @@ class UzipKVConfig:
     load_timeout_s: float = 30.0     # decode: a load not complete by then fails (policy applies)
     startup_timeout_s: float = 300.0 # producer: how long start-up waits for the decode listener
     stats_dir: str | None = None     # where each worker writes its counters (JSON) for the proxy
-    # Tests only: while this file exists the sender holds every layer back, so a test can kill the
-    # prefill instance mid-transfer without racing a timer (a timed delay was flaky on CI).
+    # Tests only: while this file exists the sender sends one layer per batch and holds every
+    # layer after the first, so a test can kill the prefill instance mid-transfer (the hello and
+    # one layer on the decode side) without racing a timer (a timed delay was flaky on CI).
     test_hold_file: str | None = None
     # Send a sliding-window layer's KV only from where its window starts (Gemma-3: 15 of 18 layers
     # keep 512 tokens; 3.7x fewer bytes at 4096 tokens). Used when the decode side allows it,
@@ -707,14 +708,18 @@ class UzipConnector(KVConnectorBase_V1):
         on the wire) where one transfer per layer would pay compress, wire, decode and an ack in
         series for each."""
         ready = [out.q.get(timeout=self._cfg.load_timeout_s)]
-        while len(ready) < total - sent and not out.q.empty() and ready[-1] is not _END:
+        held = self._held()
+        while not held and len(ready) < total - sent and not out.q.empty() and ready[-1] is not _END:
             ready.append(out.q.get_nowait())
         if ready[-1] is _END:
             raise RuntimeError(f"only {sent + len(ready) - 1} of {total} layers were saved")
         hold_until = time.monotonic() + 300
-        while self._cfg.test_hold_file and os.path.exists(self._cfg.test_hold_file) and time.monotonic() < hold_until:
+        while held and sent > 0 and self._held() and time.monotonic() < hold_until:
             time.sleep(0.05)
         return ready
+
+    def _held(self) -> bool:
+        return bool(self._cfg.test_hold_file) and os.path.exists(self._cfg.test_hold_file)
 
     def _begin(self, transport, hello: bytes, spec: SaveSpec, layers: list):
         """Starts a transfer: its hello and first layers, on a kept-open connection when there is
@@ -861,6 +866,8 @@ class UzipConnector(KVConnectorBase_V1):
                     i += 1
                 if not got:
                     raise ValueError(f"layer {i}: an empty transfer")
+                if len(got) == i:  # the first message: how far a transfer cut short got
+                    self._stats.note(hello.xfer_id, t_recv_first=time.time(), first_layers=i)
                 if st is not None:
                     entry.raw_bytes += st.raw_bytes
                     entry.wire_bytes += st.wire_bytes
