@@ -251,6 +251,34 @@ def test_config_errors_name_the_field():
         kv_connector.parse_config({"peer": "h:5", "overlap": "sometimes"}, "kv_producer")
 
 
+def test_stats_file_follows_the_notes(tmp_path):
+    """The stats file is written by a thread, shortly after the notes; flush writes it at once,
+    and only the newest MAX_XFERS transfers are kept."""
+    path = tmp_path / "decode-tp0.json"
+    stats = kv_connector._Stats(str(path))
+    for i in range(kv_connector._Stats.MAX_XFERS + 3):
+        stats.note(f"x{i}", t_load_requested=float(i))
+    stats.add(loads_ok=2)
+    stats.add(loads_ok=1, tokens_loaded=100)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            data = json.loads(path.read_text())
+            if data["counters"].get("tokens_loaded") == 100:
+                break
+        except (OSError, ValueError):
+            pass
+        assert time.monotonic() < deadline, "the stats file never showed the notes"
+        time.sleep(0.01)
+    assert data["counters"] == {"loads_ok": 3, "tokens_loaded": 100}
+    assert len(data["xfers"]) == kv_connector._Stats.MAX_XFERS and "x2" not in data["xfers"]
+    assert data["xfers"][f"x{kv_connector._Stats.MAX_XFERS + 2}"] == {"t_load_requested": float(kv_connector._Stats.MAX_XFERS + 2)}
+    stats.add(loads_failed=1)
+    stats.flush()
+    assert json.loads(path.read_text())["counters"]["loads_failed"] == 1
+    assert kv_connector._Stats(None).flush() is None  # no stats_dir: nothing written, no thread
+
+
 # ---- no vLLM start-up: the kept-open connection of the transfer path ---------------------------
 # Worker halves as benchmarks/disagg_link.py builds them (Gemma-3-270M's CPU page layout, 18
 # layers, TP=1), sender and receiver in this process or the receiver in a child process.
