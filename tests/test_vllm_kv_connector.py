@@ -28,7 +28,7 @@ pytest.importorskip("ucxx")
 pytest.importorskip("aiohttp")
 
 from benchmarks import realdata  # noqa: E402
-from uzip_vllm import demo, disagg, kv_connector  # noqa: E402
+from uzip_vllm import demo, disagg, kv_connector, kv_wire  # noqa: E402
 
 PROMPTS = ["Once upon a time, in a small village, there lived an old clockmaker who",
            "The capital of France is",
@@ -193,28 +193,28 @@ def test_prefill_killed_mid_transfer_recomputes(pair):
 # ---- no vLLM start-up: the control messages and the layout check ---------------------------------
 
 def test_hello_roundtrip_and_validation():
-    h = kv_connector.Hello(kv_connector.KIND_TRANSFER, 2, 1, 18, 1, 16, 1000, 63, 8192, "ab" * 16)
-    assert len(h.pack()) == kv_connector.HELLO.size == 68
-    assert kv_connector.Hello.unpack(h.pack()) == h
+    h = kv_wire.Hello(kv_wire.KIND_TRANSFER, 2, 1, 18, 1, 16, 1000, 63, 8192, "ab" * 16)
+    assert len(h.pack()) == kv_wire.HELLO.size == 68
+    assert kv_wire.Hello.unpack(h.pack()) == h
     bad = bytearray(h.pack())
     bad[0:4] = b"XXXX"
     with pytest.raises(ValueError, match="magic"):
-        kv_connector.Hello.unpack(bytes(bad))
+        kv_wire.Hello.unpack(bytes(bad))
     with pytest.raises(ValueError):
-        kv_connector.Hello.unpack(h.pack()[:-1])
-    assert kv_connector.unpack_reply(kv_connector.pack_reply(None)) == (None, 0)
-    reason, _ = kv_connector.unpack_reply(kv_connector.pack_reply("TP differs"))
+        kv_wire.Hello.unpack(h.pack()[:-1])
+    assert kv_wire.unpack_reply(kv_wire.pack_reply(None)) == (None, 0)
+    reason, _ = kv_wire.unpack_reply(kv_wire.pack_reply("TP differs"))
     assert "TP" in reason
-    assert kv_connector.unpack_reply(kv_connector.pack_reply(None, kv_connector.REPLY_WINDOW_TRIM)) == (
-        None, kv_connector.REPLY_WINDOW_TRIM)
+    assert kv_wire.unpack_reply(kv_wire.pack_reply(None, kv_wire.REPLY_WINDOW_TRIM)) == (
+        None, kv_wire.REPLY_WINDOW_TRIM)
     old = bytearray(h.pack())
     old[4:6] = (2).to_bytes(2, "little")  # version 2 always sent whole layers and had no reply flags
     with pytest.raises(ValueError, match="version 2"):
-        kv_connector.Hello.unpack(bytes(old))
+        kv_wire.Hello.unpack(bytes(old))
 
 
 def test_window_first_block():
-    f = kv_connector.window_first_block
+    f = kv_wire.window_first_block
     assert f(4095, None, 16) == 0 and f(4095, 0, 16) == 0  # full attention: every block
     assert f(300, 512, 16) == 0                           # the prompt fits in the window
     assert f(4095, 512, 16) == (4095 - 512) // 16 == 223  # decode computes position 4095: keys from 3584
@@ -227,11 +227,11 @@ def test_different_tp_is_refused():
     c = kv_connector.UzipConnector.__new__(kv_connector.UzipConnector)
     c._tp_size, c._tp_rank, c._block_size = 1, 0, 16
     c._layer_names, c._dtype, c._page_nbytes = ["a", "b"], torch.bfloat16, 8192
-    ok = c._hello(kv_connector.KIND_PROBE)
+    ok = c._hello(kv_wire.KIND_PROBE)
     assert c._check_hello(ok) is None
-    tp2 = kv_connector.Hello(kv_connector.KIND_PROBE, 2, 0, 2, 1, 16, 0, 0, 8192, "")
+    tp2 = kv_wire.Hello(kv_wire.KIND_PROBE, 2, 0, 2, 1, 16, 0, 0, 8192, "")
     assert "tensor-parallel sizes differ" in c._check_hello(tp2)
-    other_layout = kv_connector.Hello(kv_connector.KIND_PROBE, 1, 0, 2, 1, 32, 0, 0, 8192, "")
+    other_layout = kv_wire.Hello(kv_wire.KIND_PROBE, 1, 0, 2, 1, 32, 0, 0, 8192, "")
     assert "block_size" in c._check_hello(other_layout)
 
 
@@ -371,7 +371,7 @@ def test_transfers_reuse_one_connection():
 # A Gemma-3-like layout with a 32-token window: layers 5, 11 and 17 are global. At NUM_TOKENS = 100
 # a windowed layer needs keys from position 68 on: blocks 4-6 of 0-6.
 SMALL_WINDOWS = [None if i % 6 == 5 else 32 for i in range(18)]
-TRIM = kv_connector.window_first_block(NUM_TOKENS, 32, 16)
+TRIM = kv_wire.window_first_block(NUM_TOKENS, 32, 16)
 
 
 def _trimming_pair(allow, **receiver_cfg):
