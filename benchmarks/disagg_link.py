@@ -227,8 +227,14 @@ def summarize(runs: list[dict], overlap: bool = True) -> list[dict]:
     keys = sorted({(r["rate"], r["input_len"]) for r in runs}, key=lambda k: (k[0] != "100mbit", k[1]))
     for rate, n in keys:
         row = {"rate": rate, "input_len": n}
+        failed = {}
         for mode in ("on", "off"):
             rs = [r for r in runs if r["rate"] == rate and r["input_len"] == n and r["compression"] == mode]
+            # A run whose requests all failed has no split; it is counted, not summarized.
+            failed[mode] = sum(not r["split"].get("requests") for r in rs)
+            rs = [r for r in rs if r["split"].get("requests")]
+            if not rs:
+                continue
             med = lambda f: statistics.median(f(r) for r in rs) if rs else None  # noqa: E731
             row[mode] = {
                 "ttft_p50_ms": med(lambda r: r["ttft_p50_ms"]), "ttft_p99_ms": med(lambda r: r["ttft_p99_ms"]),
@@ -243,6 +249,12 @@ def summarize(runs: list[dict], overlap: bool = True) -> list[dict]:
             row[mode]["ttft_p50_ms_runs"] = [r["ttft_p50_ms"] for r in rs]  # the spread between runs
             if not overlap:
                 row[mode]["kv_after_send_start_s"] = med(lambda r: r["split"]["kv_after_send_start_s"])
+        row["runs_without_requests"] = failed
+        if "on" not in row or "off" not in row:
+            row["error"] = ("no run of this setting completed a request in both modes: see the runs and "
+                            "the instances' logs in the workdir")
+            table.append(row)
+            continue
         on, off = row["on"], row["off"]
         row["ttft_saved_ms"] = off["ttft_p50_ms"] - on["ttft_p50_ms"]
         if not overlap:
@@ -275,7 +287,9 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     xkey = _transfer_key(result)
-    table = result["table"]
+    table = [r for r in result["table"] if "error" not in r]
+    if not table:
+        return
     labels = [f"{r['rate']}\n{r['input_len']} tok" for r in table]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     x = range(len(table))
@@ -629,6 +643,10 @@ def _write(result: dict, out: Path) -> int:
     plot(result, out / f"{name}.png")
     xkey = _transfer_key(result)
     for r in result["table"]:
+        if "error" in r:
+            print(f"{r['rate']:>8} {r['input_len']:>5} tok: {r['error']} (runs without requests: "
+                  f"{r['runs_without_requests']})")
+            continue
         print(f"{r['rate']:>8} {r['input_len']:>5} tok: KV transfer {r['on'][xkey]:.3f} s vs "
               f"{r['off'][xkey]:.3f} s raw ({r['transfer_ratio']:.2f}x), TTFT p50 "
               f"{r['on']['ttft_p50_ms']:.0f} vs {r['off']['ttft_p50_ms']:.0f} ms (saved {r['ttft_saved_ms']:.0f}, "

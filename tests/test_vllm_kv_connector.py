@@ -249,6 +249,10 @@ def test_config_errors_name_the_field():
         assert kv_connector.parse_config({"peer": "h:5", "overlap": text}, "kv_producer").overlap is want
     with pytest.raises(ValueError, match="overlap.*boolean"):
         kv_connector.parse_config({"peer": "h:5", "overlap": "sometimes"}, "kv_producer")
+    with pytest.raises(ValueError, match="progress_mode must be thread"):
+        kv_connector.parse_config({"listen": "h:5", "progress_mode": "blocking"}, "kv_consumer")
+    assert kv_connector.parse_config({"peer": "h:5", "progress_mode": "thread-polling"},
+                                     "kv_producer").progress_mode == "thread-polling"
 
 
 def test_stats_file_follows_the_notes(tmp_path):

@@ -83,7 +83,7 @@ class UzipKVConfig:
     peer: str | None = None          # producer: decode's kv listener HOST:PORT (rank r uses PORT + r)
     listen: str = "127.0.0.1:0"      # consumer: HOST:PORT to bind (rank r binds PORT + r)
     compression: str = "auto"        # p2p TransportConfig.compression: auto | on | off
-    progress_mode: str = "thread"    # ucxx progress; "thread" does not spin while idle (crowded hosts)
+    progress_mode: str = "thread"    # ucxx progress: thread (does not spin while idle) | thread-polling
     chunk_bytes: int = 1 << 20       # small: a layer is a few MB, so chunks pipeline within it
     deadline_s: float = 10.0         # every p2p send/receive must progress within it
     load_timeout_s: float = 30.0     # decode: a load not complete by then fails (policy applies)
@@ -130,6 +130,11 @@ def parse_config(extra: dict[str, Any], role: str | None) -> UzipKVConfig:
     cfg = UzipKVConfig(**kwargs)
     if cfg.compression not in ("auto", "on", "off"):
         raise ValueError(f"UzipConnector: compression must be auto/on/off, got {cfg.compression!r}")
+    # In "blocking" and "polling" UCX is progressed by awaits on an event loop; inside a vLLM worker
+    # the listener's handshakes then timed out and no transfer arrived (measured 2026-12-07).
+    if cfg.progress_mode not in ("thread", "thread-polling"):
+        raise ValueError(f"UzipConnector: progress_mode must be thread or thread-polling (UCX progressed by its "
+                         f"own thread inside vLLM's workers), got {cfg.progress_mode!r}")
     if role == "kv_producer":
         if not cfg.peer or ":" not in cfg.peer:
             raise ValueError("UzipConnector (kv_producer) needs kv_connector_extra_config.peer = 'DECODE_HOST:PORT'")
