@@ -255,6 +255,35 @@ def test_config_errors_name_the_field():
                                      "kv_producer").progress_mode == "thread-polling"
 
 
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(os.getppid())) < 2,
+                    reason="needs CPU affinity and two CPUs")
+def test_connector_threads_do_not_inherit_a_pinned_main_thread():
+    """vLLM's CPU worker pins its main thread to one core; threads the connector starts from it
+    (and UCX's, started there) must run on the instance's CPUs, and the main thread stays pinned."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    seen = {}
+
+    def worker_main():
+        os.sched_setaffinity(0, {0})  # as vLLM's init_cpu_threads_env leaves the OpenMP master
+        with kv_connector._threads_start_unpinned():
+            t = threading.Thread(target=lambda: seen.__setitem__("started", os.sched_getaffinity(0)))
+            t.start()
+            t.join()
+        seen["main_after"] = os.sched_getaffinity(0)
+        t = threading.Thread(target=lambda: seen.__setitem__("started_after", os.sched_getaffinity(0)))
+        t.start()
+        t.join()
+        with ThreadPoolExecutor(1, initializer=kv_connector._unpin_this_thread) as pool:
+            seen["pool"] = pool.submit(os.sched_getaffinity, 0).result()
+
+    main = threading.Thread(target=worker_main)
+    main.start()
+    main.join()
+    wide = os.sched_getaffinity(os.getppid()) | {0}
+    assert seen == {"started": wide, "main_after": {0}, "started_after": {0}, "pool": wide}
+
+
 def test_stats_file_follows_the_notes(tmp_path):
     """The stats file is written by a thread, shortly after the notes; flush writes it at once,
     and only the newest MAX_XFERS transfers are kept."""

@@ -28,6 +28,7 @@ through the p2p wire protocol (manifest + checksummed chunks).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -307,6 +308,46 @@ class _Links:
             ep.abort()
 
 
+def _instance_cpus() -> set[int] | None:
+    """The CPUs the connector's threads should run on, or None where affinity is not a thing.
+
+    vLLM's CPU worker binds each OpenMP thread to one core, its main thread (the OpenMP master)
+    included, and threads inherit the affinity of the thread that starts them. Left alone, every
+    sender, receiver, UCX progress and codec thread of both instances shared core 0 with two
+    busy OpenMP masters. The engine process that spawned the worker keeps the instance's set."""
+    if not hasattr(os, "sched_getaffinity"):
+        return None
+    cpus = os.sched_getaffinity(0)
+    with contextlib.suppress(OSError):
+        cpus = cpus | os.sched_getaffinity(os.getppid())
+    return cpus
+
+
+def _unpin_this_thread() -> None:
+    cpus = _instance_cpus()
+    if cpus:
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(0, cpus)
+
+
+@contextlib.contextmanager
+def _threads_start_unpinned():
+    """Threads started inside (the connector's, and UCX's progress and notifier threads when
+    UCX starts here) run on the instance's CPUs; the calling thread gets its own set back."""
+    cpus = _instance_cpus()
+    before = os.sched_getaffinity(0) if cpus else None
+    if not cpus or cpus == before:
+        yield
+        return
+    os.sched_setaffinity(0, cpus)
+    logger.info("UzipConnector: its threads run on CPUs %s (this worker's main thread is pinned to %s)",
+                sorted(cpus), sorted(before))
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
 def _tp() -> tuple[int, int]:
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
@@ -460,16 +501,19 @@ class UzipConnector(KVConnectorBase_V1):
         if self._cfg.stats_dir:
             os.makedirs(self._cfg.stats_dir, exist_ok=True)
             stats_path = os.path.join(self._cfg.stats_dir, f"{role}-tp{self._tp_rank}.json")
-        self._stats = _Stats(stats_path)
         self._transport = TransportConfig.from_env(compression=self._cfg.compression,
                                                    progress_mode=self._cfg.progress_mode,
                                                    chunk_bytes=self._cfg.chunk_bytes,
                                                    deadline_s=self._cfg.deadline_s, cuda_ipc="off")
-        if self._producer:
-            self._sender = ThreadPoolExecutor(max_workers=4, thread_name_prefix="uzip-kv-send")
-            self._probe_peer()
-        else:
-            self._start_listener()
+        with _threads_start_unpinned():
+            self._stats = _Stats(stats_path)
+            if self._producer:
+                # its threads start later, from the (pinned) forward: each unpins itself
+                self._sender = ThreadPoolExecutor(max_workers=4, thread_name_prefix="uzip-kv-send",
+                                                  initializer=_unpin_this_thread)
+                self._probe_peer()
+            else:
+                self._start_listener()
         self._stats.flush()
 
     def _hello(self, kind: int, xfer_id: str = "", num_tokens: int = 0, num_blocks: int = 0) -> Hello:
