@@ -235,7 +235,7 @@ def summarize(runs: list[dict], overlap: bool = True) -> list[dict]:
             rs = [r for r in rs if r["split"].get("requests")]
             if not rs:
                 continue
-            med = lambda f: statistics.median(f(r) for r in rs) if rs else None  # noqa: E731
+            med = lambda f: statistics.median(f(r) for r in rs)  # noqa: E731
             row[mode] = {
                 "ttft_p50_ms": med(lambda r: r["ttft_p50_ms"]), "ttft_p99_ms": med(lambda r: r["ttft_p99_ms"]),
                 "itl_p50_ms": med(lambda r: r["itl_p50_ms"]), "output_throughput": med(lambda r: r["output_throughput"]),

@@ -84,7 +84,7 @@ def _info_safetensors(path: str, per_tensor: bool, as_json: bool) -> int:
     import torch
 
     import uzip_serve as uz
-    from uzip_serve.codec import default_threads
+    from uzip_serve.codec import _dtype_name, default_threads
 
     try:
         from safetensors import safe_open
@@ -92,7 +92,6 @@ def _info_safetensors(path: str, per_tensor: bool, as_json: bool) -> int:
         print("uzip info on a .safetensors file needs the safetensors package (pip install safetensors)",
               file=sys.stderr)
         return 2
-    totals: dict[str, list[int]] = {}  # dtype -> [tensors, raw bytes, frame bytes]
     tensors = []
     seconds = [0.0, 0.0]
     buf = bytearray()
@@ -119,15 +118,14 @@ def _info_safetensors(path: str, per_tensor: bool, as_json: bool) -> int:
                     back.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)):
                 print(f"{path}: tensor {name!r} did not round-trip bit-exactly; please report this", file=sys.stderr)
                 return 1
-            dtype = str(t.dtype).removeprefix("torch.")
-            row = totals.setdefault(dtype, [0, 0, 0])
-            row[0] += 1
-            row[1] += t.nbytes
-            row[2] += len(frame)
-            tensors.append({"name": name, "dtype": dtype, "shape": list(t.shape), "bytes": t.nbytes,
+            tensors.append({"name": name, "dtype": _dtype_name(t.dtype), "shape": list(t.shape), "bytes": t.nbytes,
                             "frame_bytes": len(frame)})
-    raw = sum(r[1] for r in totals.values())
-    wire = sum(r[2] for r in totals.values())
+    totals: dict[str, list[int]] = {}  # dtype -> [tensors, raw bytes, frame bytes]
+    for r in tensors:
+        row = totals.setdefault(r["dtype"], [0, 0, 0])
+        row[0], row[1], row[2] = row[0] + 1, row[1] + r["bytes"], row[2] + r["frame_bytes"]
+    raw = sum(r["bytes"] for r in tensors)
+    wire = sum(r["frame_bytes"] for r in tensors)
     speed = {"threads": default_threads(),
              "compress_gb_s": raw / seconds[0] / 1e9 if seconds[0] else None,
              "decompress_gb_s": raw / seconds[1] / 1e9 if seconds[1] else None}

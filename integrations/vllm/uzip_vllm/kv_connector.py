@@ -687,9 +687,10 @@ class UzipConnector(KVConnectorBase_V1):
             ready.append(out.q.get_nowait())
         if ready[-1] is _END:
             raise RuntimeError(f"only {sent + len(ready) - 1} of {total} layers were saved")
-        hold_until = time.monotonic() + 300
-        while held and sent > 0 and self._held() and time.monotonic() < hold_until:
-            time.sleep(0.05)
+        if held and sent > 0:
+            hold_until = time.monotonic() + 300
+            while self._held() and time.monotonic() < hold_until:
+                time.sleep(0.05)
         return ready
 
     def _held(self) -> bool:
