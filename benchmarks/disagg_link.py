@@ -39,6 +39,10 @@ OUT_DIR = REPO / "docs" / "benchmarks"
 NS = {"pf": "uz_pf", "dc": "uz_dc"}
 ADDR = {"pf": "10.78.0.1", "dc": "10.78.0.2"}
 DEV = {"pf": "uz_vpf", "dc": "uz_vdc"}
+# Children get process groups of their own in our session, not sessions of their own: Linux's
+# autogroup scheduler shares the CPUs between sessions, which starved one vLLM instance for ~1 s
+# at a time (uzip_vllm.demo.NEW_PROCESS_GROUP, docs/kv_connector.md).
+NEW_PROCESS_GROUP: dict = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
 
 
 # ---- the link (root namespace) ----------------------------------------------------------------------
@@ -470,7 +474,7 @@ def kv_only(args) -> int:
             trim = ["--kv-only-window-trim"] if args.kv_only_window_trim else []
             recv = subprocess.Popen(["ip", "netns", "exec", NS["dc"], sys.executable, "-m", "benchmarks.disagg_link",
                                      "--kv-only-role", "recv", "--kv-port", str(port), *trim],
-                                    stdout=subprocess.PIPE, text=True, cwd=str(REPO), env=env, start_new_session=True)
+                                    stdout=subprocess.PIPE, text=True, cwd=str(REPO), env=env, **NEW_PROCESS_GROUP)
             try:
                 assert recv.stdout.readline().strip() == "READY"
                 r = subprocess.run(["ip", "netns", "exec", NS["pf"], sys.executable, "-m", "benchmarks.disagg_link",
@@ -606,7 +610,7 @@ def main(argv=None) -> int:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "integrations" / "vllm"),
                                                             os.environ.get("PYTHONPATH", "")])}
         proc = subprocess.Popen(["ip", "netns", "exec", NS["dc"], *argv_inner], stdout=subprocess.PIPE, text=True,
-                                cwd=str(REPO), env=env, start_new_session=True)
+                                cwd=str(REPO), env=env, **NEW_PROCESS_GROUP)
         final = None
         for line in proc.stdout:
             if line.startswith("RESULT "):

@@ -84,11 +84,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# A process group of its own, but in the caller's session. Linux's autogroup scheduler
+# (sched_autogroup_enabled, on by default) shares the CPUs between sessions first: two vLLM
+# instances started as sessions of their own starved each other for ~1 s at a time on the 2-core
+# VM (a thread pinned to the CPU could not run either), and prefill took 3-13 s instead of 1.2 s
+# (docs/kv_connector.md, "The ~1 s stalls").
+NEW_PROCESS_GROUP: dict = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
+
+
 def spawn(stack: ExitStack, args: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
     """Starts a process in its own process group; the stack kills the whole group on exit."""
     fh = open(log, "wb")
-    proc = subprocess.Popen(args, stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
-                            start_new_session=True)
+    proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT,
+                            env={**os.environ, **(env or {})}, **NEW_PROCESS_GROUP)
 
     def stop():
         if proc.poll() is None:
