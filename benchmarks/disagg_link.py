@@ -150,6 +150,8 @@ def _split(records: list[dict]) -> dict:
         return {"requests": 0}
     out = {k: statistics.median(row[k] for row in rows) for k in rows[0]}
     out["requests"] = len(rows)
+    # each request's, in order: one slow transfer shows here, not in the median
+    out["each"] = {k: [round(row[k], 4) for row in rows] for k in ("ttft_s", "kv_after_send_start_s", "kv_transfer_s")}
     out["ratio"] = out["wire_bytes"] / out["raw_bytes"] if out["raw_bytes"] else None
     return out
 
@@ -253,6 +255,11 @@ def summarize(runs: list[dict], overlap: bool = True) -> list[dict]:
             row[mode]["ttft_p50_ms_runs"] = [r["ttft_p50_ms"] for r in rs]  # the spread between runs
             if not overlap:
                 row[mode]["kv_after_send_start_s"] = med(lambda r: r["split"]["kv_after_send_start_s"])
+            key = "kv_transfer_s" if overlap else "kv_after_send_start_s"  # as _transfer_key
+            each = [x for r in rs for x in r["split"].get("each", {}).get(key, [])]
+            if each:  # every request of every run: the median over all, and the slowest
+                row[mode]["transfer_each_median_s"] = statistics.median(each)
+                row[mode]["transfer_each_max_s"] = max(each)
         row["runs_without_requests"] = failed
         if "on" not in row or "off" not in row:
             row["error"] = ("no run of this setting completed a request in both modes: see the runs and "

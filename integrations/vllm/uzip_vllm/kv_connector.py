@@ -105,6 +105,11 @@ class UzipKVConfig:
     # transfer lies on the TTFT path. For measuring what the transfer costs TTFT (uzip bench
     # disagg --no-overlap); serving keeps the default, which sends layers as they are computed.
     overlap: bool = True
+    # Decode: how long a step that schedules nothing waits for a pending transfer to arrive (an
+    # arrival ends the wait at once). While requests wait for KV the engine steps in a loop; a
+    # longer wait takes that loop off the cores the receiver and its codec threads need. Steps
+    # with a forward wait 1 ms at most, so running requests are not held up.
+    idle_wait_ms: float = 10.0
 
     @property
     def peer_host_port(self) -> tuple[str, int]:
@@ -186,6 +191,7 @@ class LoadSpec:
 class UzipConnectorMetadata(KVConnectorMetadata):
     saves: list[SaveSpec] = dataclasses.field(default_factory=list)
     loads: list[LoadSpec] = dataclasses.field(default_factory=list)
+    idle: bool = False  # the step schedules no tokens: no forward, nobody waits on it
 
 
 # ---- worker-side helpers ---------------------------------------------------------------------------
@@ -464,6 +470,7 @@ class UzipConnector(KVConnectorBase_V1):
                 del self._to_send[req_id]
         meta.loads = list(self._to_load.values())
         self._to_load.clear()
+        meta.idle = scheduler_output.total_num_scheduled_tokens == 0
         return meta
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -883,8 +890,10 @@ class UzipConnector(KVConnectorBase_V1):
             self._gc()
             return res
         # While loads are pending the engine may step without a forward in a tight loop,
-        # holding the GIL the receiver threads need: give them a millisecond.
-        self._arrived.wait(0.001)
+        # holding the GIL and the cores the receiver threads need (idle_wait_ms).
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        idle = isinstance(meta, UzipConnectorMetadata) and meta.idle
+        self._arrived.wait(self._cfg.idle_wait_ms / 1000 if idle else 0.001)
         self._arrived.clear()
         now = time.monotonic()
         for req_id, (spec, deadline) in list(self._pending.items()):
