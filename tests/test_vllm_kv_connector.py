@@ -570,7 +570,7 @@ def test_dead_decode_peer_fails_the_transfer_within_the_deadline(tmp_path):
 
     def decode_process():
         p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env,
-                             start_new_session=True)
+                             **demo.NEW_PROCESS_GROUP)
         assert p.stdout.readline().strip() == "READY"
         return p
 
