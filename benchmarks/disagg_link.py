@@ -33,16 +33,14 @@ import time
 from pathlib import Path
 
 from benchmarks import machine
+# children: a process group each, in our session (autogroup: see there)
+from uzip_vllm.demo import NEW_PROCESS_GROUP
 
 REPO = Path(__file__).resolve().parents[1]
 OUT_DIR = REPO / "docs" / "benchmarks"
 NS = {"pf": "uz_pf", "dc": "uz_dc"}
 ADDR = {"pf": "10.78.0.1", "dc": "10.78.0.2"}
 DEV = {"pf": "uz_vpf", "dc": "uz_vdc"}
-# Children get process groups of their own in our session, not sessions of their own: Linux's
-# autogroup scheduler shares the CPUs between sessions, which starved one vLLM instance for ~1 s
-# at a time (uzip_vllm.demo.NEW_PROCESS_GROUP, docs/kv_connector.md).
-NEW_PROCESS_GROUP: dict = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
 
 
 # ---- the link (root namespace) ----------------------------------------------------------------------
