@@ -253,8 +253,7 @@ def summarize(runs: list[dict], overlap: bool = True) -> list[dict]:
             row[mode]["ttft_p50_ms_runs"] = [r["ttft_p50_ms"] for r in rs]  # the spread between runs
             if not overlap:
                 row[mode]["kv_after_send_start_s"] = med(lambda r: r["split"]["kv_after_send_start_s"])
-            key = "kv_transfer_s" if overlap else "kv_after_send_start_s"  # as _transfer_key
-            each = [x for r in rs for x in r["split"].get("each", {}).get(key, [])]
+            each = [x for r in rs for x in r["split"].get("each", {}).get(_transfer_key(overlap), [])]
             if each:  # every request of every run: the median over all, and the slowest
                 row[mode]["transfer_each_median_s"] = statistics.median(each)
                 row[mode]["transfer_each_max_s"] = max(each)
@@ -283,10 +282,10 @@ def summarize(runs: list[dict], overlap: bool = True) -> list[dict]:
     return table
 
 
-def _transfer_key(result: dict) -> str:
+def _transfer_key(overlap: bool) -> str:
     """The transfer time in a table: the sender's active time, or with overlap=False from the
     send's start to the KV in decode's cache (see summarize)."""
-    return "kv_transfer_s" if result["settings"].get("overlap", True) else "kv_after_send_start_s"
+    return "kv_transfer_s" if overlap else "kv_after_send_start_s"
 
 
 def plot(result: dict, path: Path) -> None:
@@ -295,7 +294,7 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    xkey = _transfer_key(result)
+    xkey = _transfer_key(result["settings"].get("overlap", True))
     table = [r for r in result["table"] if "error" not in r]
     if not table:
         return
@@ -650,7 +649,7 @@ def _write(result: dict, out: Path) -> int:
     name = "disagg_link" if result["settings"].get("overlap", True) else "disagg_link_sequential"
     (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(result, out / f"{name}.png")
-    xkey = _transfer_key(result)
+    xkey = _transfer_key(result["settings"].get("overlap", True))
     for r in result["table"]:
         if "error" in r:
             print(f"{r['rate']:>8} {r['input_len']:>5} tok: {r['error']} (runs without requests: "
