@@ -21,6 +21,7 @@ class MemoryChannel:
 
     def __init__(self, inbox: asyncio.Queue, outbox: asyncio.Queue, tamper=None):
         self.inbox, self.outbox, self.tamper, self.sent = inbox, outbox, tamper, 0
+        self.received = 0  # messages taken from the inbox so far
 
     # Like a UCX endpoint, each call takes its place in the order at once (see split_send.Channel).
     def send(self, buf):
@@ -36,6 +37,7 @@ class MemoryChannel:
 
     async def _recv(self, get, buf) -> None:
         data = await get
+        self.received += 1
         mv = memoryview(buf).cast("B")
         if len(data) != len(mv):
             raise ProtocolError(f"message of {len(data)} bytes, expected {len(mv)}")
@@ -47,15 +49,17 @@ def pair(tamper=None):
     return MemoryChannel(a, b, tamper), MemoryChannel(b, a)
 
 
-def transfer(tensors, *, tamper=None, into=None, **cfg):
+def transfer(tensors, *, tamper=None, into=None, on_tensor=None, **cfg):
+    """(sender's result, receiver's result); on_tensor(rx channel, name, tensor) if given."""
     config = TransportConfig(**{"chunk_bytes": 1 << 20, **cfg})
 
     async def main():
         tx, rx = pair(tamper)
+        hand = None if on_tensor is None else (lambda name, t: on_tensor(rx, name, t))
         with ThreadPoolExecutor(2) as pool:
             send = split_send.send_tensors(tx, tensors, config=config, policy=AdaptivePolicy(config.compression),
                                            executor=pool)
-            recv = split_send.recv_tensors(rx, config=config, executor=pool, into=into)
+            recv = split_send.recv_tensors(rx, config=config, executor=pool, into=into, on_tensor=hand)
             return await asyncio.gather(send, recv, return_exceptions=True)
 
     return asyncio.run(main())
@@ -122,6 +126,51 @@ def test_corrupt_chunk_is_a_checksum_error(compression):
     sent, received = transfer(tensors, tamper=corrupt_payload(5), compression=compression)
     assert isinstance(received, ChecksumError)
     assert isinstance(sent, ChecksumError)
+
+
+@pytest.mark.parametrize("compression", ["on", "off"])
+def test_on_tensor_hands_over_each_tensor_as_soon_as_it_is_complete(compression):
+    gen = torch.Generator().manual_seed(1)
+    # Six tensors of several chunks each, and small ones that share a chunk.
+    tensors = {f"big{i}": (torch.randn(1_500_000, generator=gen) * 0.02).to(torch.bfloat16) for i in range(6)}
+    tensors |= {f"small{i}": torch.randn(1000, generator=gen) for i in range(3)}
+    tensors["empty"] = torch.empty(0, dtype=torch.bfloat16)
+    seen = {}
+
+    def on_tensor(rx, name, t):
+        assert name not in seen, f"{name} handed over twice"
+        seen[name] = (bits(t).clone(), rx.received)  # its bytes, and how far the receive had got
+
+    sent, (got, _) = transfer(tensors, on_tensor=on_tensor, compression=compression)
+    assert set(seen) == set(tensors)
+    for name, (at_call, _) in seen.items():
+        assert torch.equal(at_call, bits(tensors[name])), name  # complete when handed over
+        assert got[name].data_ptr() == 0 or torch.equal(bits(got[name]), at_call)
+    # The first big tensor was handed over long before the last chunk was received.
+    total = 2 + 2 * sent.chunks
+    assert seen["big0"][1] < total - 6, (seen["big0"][1], total)
+
+
+def test_on_tensor_refusal_fails_the_transfer_and_tells_the_sender():
+    tensors = {"a": torch.randn(600_000).to(torch.bfloat16), "b": torch.randn(600_000).to(torch.bfloat16)}
+
+    def on_tensor(rx, name, t):
+        if name == "b":
+            raise ValueError("layer b does not fit")
+
+    sent, received = transfer(tensors, on_tensor=on_tensor, compression="on")
+    assert isinstance(received, ProtocolError) and "refused" in str(received) and "does not fit" in str(received)
+    assert isinstance(sent, ProtocolError)
+
+
+def test_on_tensor_is_not_handed_a_corrupt_tensor():
+    tensors = {"a": torch.randn(300_000).to(torch.bfloat16), "w": torch.randn(2_000_000).to(torch.bfloat16)}
+    seen = []
+    # messages: 0 header, 1 manifest, then (chunk header, payload) pairs; chunk 0 holds "a" and the start of "w"
+    sent, received = transfer(tensors, tamper=corrupt_payload(5), on_tensor=lambda rx, n, t: seen.append(n),
+                              compression="on")
+    assert isinstance(received, ChecksumError) and isinstance(sent, ChecksumError)
+    assert "w" not in seen
 
 
 def test_lying_chunk_header_is_a_protocol_error():

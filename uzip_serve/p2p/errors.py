@@ -2,7 +2,8 @@
 
 
 class TransferError(Exception):
-    """A transfer did not complete; no tensor of it was reported complete."""
+    """A transfer did not complete; none of its tensors was returned (a receiver's
+    `on_tensor` may have been handed some of them before the failure)."""
 
 
 class PeerError(TransferError):

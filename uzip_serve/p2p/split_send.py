@@ -13,8 +13,9 @@ import collections
 import contextlib
 import dataclasses
 import logging
+import threading
 import time
-from collections.abc import Awaitable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Executor
 from typing import Any, Protocol
 
@@ -401,7 +402,9 @@ async def recv_tensors(channel: Channel, *, config: TransportConfig, executor: E
                        forward: Sequence[Channel] = (), ipc=None, stream=None,
                        device=None, cuda_route=None, prepost=None,
                        pacer: CodecPacer | None = None,
-                       staging_pool: StagingPool | None = None) -> tuple[dict[str, torch.Tensor], TransferStats]:
+                       staging_pool: StagingPool | None = None,
+                       on_tensor: Callable[[str, torch.Tensor], None] | None = None,
+                       ) -> tuple[dict[str, torch.Tensor], TransferStats]:
     """Receives one transfer. Tensors are returned only once every chunk arrived and
     passed its checksum; on any failure nothing is returned (an `into` tensor may then
     hold partial data) and the sender is told why, where the connection still allows.
@@ -417,12 +420,17 @@ async def recv_tensors(channel: Channel, *, config: TransportConfig, executor: E
     offer. Both order their work after `stream`'s (default: the device's current stream).
     `prepost` (a ucx_cuda.PrePost): the route's receives, posted early for the layout expected.
     `pacer`: this side's codec threads per chunk, kept across the transfers of one endpoint
-    (config.codec_threads, where set, wins); `staging_pool` its buffers, the same way."""
+    (config.codec_threads, where set, wins); `staging_pool` its buffers, the same way.
+    `on_tensor(name, tensor)` is called once per tensor as soon as all of its bytes are in
+    place and verified, before the rest of the transfer has arrived, from a codec thread
+    (several may run at once, for different tensors); tensors of a GPU route are handed over
+    when that route completes. The transfer can still fail after a call. An exception it
+    raises fails the receive (the sender is told)."""
     relay = _Relay(forward)
     try:
         result = await _recv_tensors(channel, config, executor, into, relay, ipc=ipc, stream=stream, device=device,
                                      cuda_route=cuda_route, prepost=prepost, pacer=pacer or CodecPacer(),
-                                     staging_pool=staging_pool or StagingPool())
+                                     staging_pool=staging_pool or StagingPool(), on_tensor=on_tensor)
     except (ChecksumError, ProtocolError) as e:
         status = proto.ACK_CHECKSUM if isinstance(e, ChecksumError) else proto.ACK_PROTOCOL
         try:
@@ -481,8 +489,48 @@ class _Relay:
                 raise ChecksumError(f"a relayed peer rejected the transfer (status {status})")
 
 
+def _hand_over(on_tensor, name: str, t: torch.Tensor) -> None:
+    try:
+        on_tensor(name, t)
+    except Exception as e:  # noqa: BLE001 - the receiver's own refusal: the sender is told
+        raise ProtocolError(f"tensor {name!r}: the receiver refused it: {type(e).__name__}: {e}") from e
+
+
+class _Landed:
+    """Counts each tensor's chunks as they are decoded or verified, and hands a tensor to
+    `on_tensor` when its last one is in (chunks finish on several codec threads, in any order)."""
+
+    def __init__(self, entries, chunks, outputs, on_tensor):
+        self.on_tensor = on_tensor
+        if on_tensor is None:
+            return
+        self.names = [e.name for e in entries]
+        self.outputs = outputs
+        self.left = [0] * len(entries)
+        for chunk in chunks:
+            for p in chunk.pieces:
+                self.left[p.tensor] += 1
+        self.lock = threading.Lock()
+        for i, n in enumerate(self.left):
+            if n == 0:  # no bytes: complete already
+                _hand_over(on_tensor, self.names[i], outputs[self.names[i]])
+
+    def chunk_done(self, chunk: proto.Chunk) -> None:
+        if self.on_tensor is None:
+            return
+        complete = []
+        with self.lock:
+            for p in chunk.pieces:
+                self.left[p.tensor] -= 1
+                if self.left[p.tensor] == 0:
+                    complete.append(self.names[p.tensor])
+        for name in complete:
+            _hand_over(self.on_tensor, name, self.outputs[name])
+
+
 async def _recv_tensors(channel, config, executor, into, relay: _Relay, ipc=None, stream=None, device=None,
-                        cuda_route=None, prepost=None, *, pacer: CodecPacer, staging_pool: StagingPool):
+                        cuda_route=None, prepost=None, *, pacer: CodecPacer, staging_pool: StagingPool,
+                        on_tensor=None):
     loop = asyncio.get_running_loop()
     if config.compression != "off" and uses_cuda(into, device):  # compressed chunks get decoded on the GPU
         await _load_gpu_codec(_gpu_codec(), torch.cuda.current_device(), executor)
@@ -529,6 +577,9 @@ async def _recv_tensors(channel, config, executor, into, relay: _Relay, ipc=None
                                       device=device, executor=executor)
             # None: refused; the sender goes on with the ordinary chunk stream
     if got is not None:
+        if on_tensor is not None:
+            for name, t in got[0].items():
+                _hand_over(on_tensor, name, t)
         got[1].seconds = time.perf_counter() - t_start
         return got
     chunks = proto.plan_chunks(entries, header.chunk_bytes)
@@ -537,6 +588,7 @@ async def _recv_tensors(channel, config, executor, into, relay: _Relay, ipc=None
     else:
         outputs = {e.name: torch.empty(e.shape, dtype=getattr(torch, e.dtype), device=device) for e in entries}
     flats = [_flat_bytes(outputs[e.name]) for e in entries]
+    landed = _Landed(entries, chunks, outputs, on_tensor)
     stats = TransferStats(raw_bytes=sum(e.nbytes for e in entries), chunks=len(chunks))
     crc32c = get_backend("cpu").crc32c
     cap = fmt.max_compressed_size(header.chunk_bytes, "uint8")
@@ -561,6 +613,7 @@ async def _recv_tensors(channel, config, executor, into, relay: _Relay, ipc=None
                         raise ProtocolError(f"chunk {k}: frame shape differs from the plan")
                     _run_codec(lambda threads: uz.decompress(payload, out=typed, threads=threads), chunk.nbytes,
                                pacer, config, stats)
+                    landed.chunk_done(chunk)
                     return
                 data, _ = _run_codec(lambda threads: uz.decompress(payload, threads=threads), chunk.nbytes,
                                      pacer, config, stats)
@@ -581,6 +634,7 @@ async def _recv_tensors(channel, config, executor, into, relay: _Relay, ipc=None
             if dst.data_ptr() != data[at:at + p.nbytes].data_ptr():  # a raw chunk received in place needs no copy
                 dst.copy_(data[at:at + p.nbytes])
             at += p.nbytes
+        landed.chunk_done(chunk)
 
     # Up to RECV_WINDOW payload receives are posted at once: chunk k+1's header arrives
     # while chunk k's data is still flowing (the sender posts it early), so its receive is

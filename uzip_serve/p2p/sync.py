@@ -25,8 +25,8 @@ class SyncEndpoint:
         coro, spin = self._ep.send_call(tensors)
         return run(coro, spin_s=spin)
 
-    def recv_tensors(self, into=None, device=None):
-        coro, spin = self._ep.recv_call(into, device=device)
+    def recv_tensors(self, into=None, device=None, on_tensor=None):
+        coro, spin = self._ep.recv_call(into, device=device, on_tensor=on_tensor)
         return run(coro, spin_s=spin)
 
     def send_bytes(self, data: bytes) -> None:

@@ -291,19 +291,21 @@ class Endpoint:
             self.abort()
             raise
 
-    async def recv_tensors(self, into=None, forward: list["Endpoint"] = (), device=None, *, stream=None) -> dict:
+    async def recv_tensors(self, into=None, forward: list["Endpoint"] = (), device=None, *, stream=None,
+                           on_tensor=None) -> dict:
         """Receives one transfer: a new dict of tensors (on `device`, default CPU), or written
         into `into`'s tensors. `forward` relays it, cut-through, to other endpoints (see split_send).
-        CUDA IPC copies run on `stream` (default: the caller's current CUDA stream)."""
-        return await on_ucx_loop(*self.recv_call(into, forward, device, stream))
+        CUDA IPC copies run on `stream` (default: the caller's current CUDA stream). `on_tensor`
+        (name, tensor) is handed each tensor as soon as it is complete (split_send.recv_tensors)."""
+        return await on_ucx_loop(*self.recv_call(into, forward, device, stream, on_tensor))
 
-    def recv_call(self, into=None, forward=(), device=None, stream=None):
+    def recv_call(self, into=None, forward=(), device=None, stream=None, on_tensor=None):
         """As send_call, for a receive."""
         gpu = split_send.uses_cuda(into, device)
         spin = self.config.caller_spin_s if gpu else 0.0
-        return self._recv_tensors(into, forward, device, stream or cuda_ipc.caller_stream(), gpu), spin
+        return self._recv_tensors(into, forward, device, stream or cuda_ipc.caller_stream(), gpu, on_tensor), spin
 
-    async def _recv_tensors(self, into, forward, device=None, stream=None, gpu: bool = False) -> dict:
+    async def _recv_tensors(self, into, forward, device=None, stream=None, gpu: bool = False, on_tensor=None) -> dict:
         if gpu and _spins(self.config):
             _spin.touch(self.config.gpu_spin_s)  # a GPU sender's header may be on its way
         prepost = None if forward else ucx_cuda.PrePost.start(self, self._cuda_route, into, stream,
@@ -313,7 +315,8 @@ class Endpoint:
                                                                  into=into, forward=forward, ipc=self._ipc_importer,
                                                                  stream=stream, device=device,
                                                                  cuda_route=self._cuda_route, prepost=prepost,
-                                                                 pacer=self.recv_pacer, staging_pool=self._recv_staging)
+                                                                 pacer=self.recv_pacer, staging_pool=self._recv_staging,
+                                                                 on_tensor=on_tensor)
             return out
         except TransferError:
             self.abort()
