@@ -339,3 +339,58 @@ def test_the_side_that_sent_last_waits_for_the_peer_to_close():
         check(w, peer.get()[1])
     finally:
         peer.stop()
+
+
+EAGER_SCRIPT = r"""
+import asyncio, sys, torch, ucxx
+from uzip_serve import p2p
+from uzip_serve.p2p import ucx
+
+async def main(eager):
+    cfg = p2p.TransportConfig(eager_bytes=eager, chunk_bytes=1 << 20, compression=sys.argv[2])
+    lst = await p2p.listen(0, cfg)
+    got = {}
+
+    async def serve():
+        ep = await lst.accept(timeout=30)
+        got.update(await ep.recv_tensors())
+        await ep.close()
+
+    task = asyncio.ensure_future(serve())
+    ep = await p2p.connect("127.0.0.1", lst.port, cfg)
+    x = (torch.randn(1_500_000, generator=torch.Generator().manual_seed(0)) * 0.02).to(torch.bfloat16)
+    stats = await ep.send_tensors({"x": x})
+    await task
+    await ep.close()
+    assert torch.equal(got["x"].view(torch.int16), x.view(torch.int16)), "differs"
+    print("RNDV_THRESH", ucxx.get_config()["RNDV_THRESH"], "chunks", stats.chunks)
+
+asyncio.run(main(int(sys.argv[1])))
+"""
+
+
+@pytest.mark.parametrize("user_env, eager, compression, expect", [
+    (None, 1 << 20, "on", ":1M"),            # our threshold: 1 MiB chunks go eagerly
+    (None, 1 << 20, "off", ":1M"),
+    (None, 0, "on", ":8K"),                  # ucxx's own default (8192) when not asked
+    ("65536", 1 << 20, "on", ":64K"),        # a user's UCX_RNDV_THRESH wins
+])
+def test_eager_bytes_sets_the_rendezvous_threshold_unless_the_user_did(user_env, eager, compression, expect):
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "UCX_RNDV_THRESH"}
+    if user_env:
+        env["UCX_RNDV_THRESH"] = user_env
+    out = subprocess.run([sys.executable, "-c", EAGER_SCRIPT, str(eager), compression], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = next(x for x in out.stdout.splitlines() if x.startswith("RNDV_THRESH"))
+    thresh, chunks = line.split()[1], int(line.split()[3])
+    assert chunks == 3  # 3 MB in 1 MiB chunks, received bit-exact either way
+    assert all(part.endswith(expect) for part in thresh.split(",")), thresh
+
+
+def test_eager_bytes_is_checked():
+    with pytest.raises(ValueError, match="eager_bytes"):
+        p2p.TransportConfig(eager_bytes=-1)

@@ -22,6 +22,14 @@ class TransportConfig:
     # Large tensors travel in chunks of this many raw bytes; chunk k+1 is compressed
     # while chunk k is on the wire.
     chunk_bytes: int = 8 << 20
+    # UCX sends messages up to this many bytes eagerly (its RNDV_THRESH), set when UCX starts
+    # in this process; 0 leaves UCX's own threshold. A larger chunk is a rendezvous: its data
+    # moves only once the receiver's UCX answered its request-to-send, and over TCP that
+    # request queues behind the previous chunk's data, so the link idles for a round trip and
+    # two thread wake-ups per chunk (docs/p2p.md). Eager sends have no flow control of their
+    # own: a receiver that falls behind the link holds what arrived in UCX's memory, so this
+    # suits transfers of bounded size (a request's KV cache), not multi-GB weight pushes.
+    eager_bytes: int = 0
     # "auto" decides per chunk from link speed, codec speed and ratio; "on"/"off" force it.
     compression: Compression = "auto"
     # False: compress every chunk before sending the first (for comparison only).
@@ -65,6 +73,8 @@ class TransportConfig:
             raise ValueError(f"chunk_bytes must be a multiple of 64 and >= 4096, got {self.chunk_bytes}")
         if self.compression not in ("auto", "on", "off"):
             raise ValueError(f"compression must be 'auto', 'on' or 'off', got {self.compression!r}")
+        if self.eager_bytes < 0:
+            raise ValueError(f"eager_bytes must be >= 0, got {self.eager_bytes}")
         if self.deadline_s <= 0:
             raise ValueError("deadline_s must be positive")
         if self.cuda_ipc not in ("auto", "off"):
@@ -86,6 +96,8 @@ class TransportConfig:
             env["compression"] = os.environ["UZIP_P2P_COMPRESSION"]
         if "UZIP_P2P_CHUNK_BYTES" in os.environ:
             env["chunk_bytes"] = int(os.environ["UZIP_P2P_CHUNK_BYTES"])
+        if "UZIP_P2P_EAGER_BYTES" in os.environ:
+            env["eager_bytes"] = int(os.environ["UZIP_P2P_EAGER_BYTES"])
         if "UZIP_P2P_PROGRESS" in os.environ:
             env["progress_mode"] = os.environ["UZIP_P2P_PROGRESS"]
         if "UZIP_P2P_DEADLINE_S" in os.environ:

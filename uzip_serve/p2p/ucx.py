@@ -72,13 +72,19 @@ def carries_cuda() -> bool:
     return bool(names & {"all", "cuda"}) or {"cuda_copy", "cuda_ipc"} <= names
 
 
+# What importing ucxx puts into UCX_RNDV_THRESH when it is unset.
+UCXX_RNDV_THRESH = "8192"
+
+
 def start_ucx(config: TransportConfig) -> None:
     """Starts UCX for this process with `config`'s transports and progress mode (once)."""
     global _started_with, _started_tls
     if _started_with is not None:
-        if (_started_with.ucx_tls, _started_with.progress_mode) != (config.ucx_tls, config.progress_mode):
-            logger.warning("UCX already started with tls=%s progress=%s; ignoring tls=%s progress=%s",
-                           _started_with.ucx_tls, _started_with.progress_mode, config.ucx_tls, config.progress_mode)
+        started = (_started_with.ucx_tls, _started_with.progress_mode, _started_with.eager_bytes)
+        if started != (config.ucx_tls, config.progress_mode, config.eager_bytes):
+            logger.warning("UCX already started with tls=%s progress=%s eager_bytes=%s; ignoring tls=%s "
+                           "progress=%s eager_bytes=%s", *started, config.ucx_tls, config.progress_mode,
+                           config.eager_bytes)
         return
     # ucxx sets UCX variables of its own that this UCX build does not know; quiet that.
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
@@ -93,6 +99,10 @@ def start_ucx(config: TransportConfig) -> None:
     # here, an idle receive then burns ~0.9 of a core (docs/p2p.md).
     futures = config.progress_mode.startswith("thread")
     tls = resolve_tls(config.ucx_tls)
+    if config.eager_bytes and os.environ.get("UCX_RNDV_THRESH", UCXX_RNDV_THRESH) == UCXX_RNDV_THRESH:
+        # The environment beats init's options, and importing ucxx sets UCX_RNDV_THRESH to
+        # its own default: only a user's own value is kept.
+        os.environ["UCX_RNDV_THRESH"] = str(config.eager_bytes)
     ucxx.init(options={"TLS": tls}, env_takes_precedence=True, progress_mode=config.progress_mode,
               enable_python_future=futures)
     _started_with = config
