@@ -373,7 +373,6 @@ def _kv_connector(window_trim: bool = False, **cfg):
     the model's sliding windows, and the receiver allows trimmed layers (as with prefix caching
     off on the decode instance)."""
     import torch
-    from uzip_serve.p2p import TransportConfig
     from uzip_vllm import kv_connector as kc
 
     c = kc.UzipConnector.__new__(kc.UzipConnector)
@@ -387,9 +386,7 @@ def _kv_connector(window_trim: bool = False, **cfg):
     c._init_link_state()
     c._windows = _gemma_windows() if window_trim else []
     c._allow_trim = window_trim and not c._producer
-    c._transport = TransportConfig.from_env(compression=c._cfg.compression, progress_mode=c._cfg.progress_mode,
-                                            chunk_bytes=c._cfg.chunk_bytes, deadline_s=c._cfg.deadline_s,
-                                            cuda_ipc="off")
+    c._transport = c._cfg.transport()
     return c
 
 

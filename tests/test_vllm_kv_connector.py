@@ -133,6 +133,9 @@ def test_decode_used_transferred_kv(pair):
     assert after.get("loads_ok", 0) == before.get("loads_ok", 0) + 1
     assert after.get("tokens_loaded", 0) > before.get("tokens_loaded", 0) + 100
     assert after.get("recv_wire_bytes", 0) > before.get("recv_wire_bytes", 0)
+    # Every layer of it went into the paged cache, on arrival or (load registered late) in the step.
+    written = sum(after.get(k, 0) - before.get(k, 0) for k in ("layers_on_arrival", "layers_in_step"))
+    assert written == 2  # the tiny Gemma-3's two layers
     # The sliding-window layer went trimmed to its window (decode runs without prefix caching).
     # The sender counts a transfer once its last send returns, which can come seconds after
     # decode answered (and after the next test began: the earlier, untrimmed transfers count late).
@@ -259,6 +262,13 @@ def test_config_errors_name_the_field():
         kv_connector.parse_config({"listen": "h:5", "progress_mode": "blocking"}, "kv_consumer")
     assert kv_connector.parse_config({"peer": "h:5", "progress_mode": "thread-polling"},
                                      "kv_producer").progress_mode == "thread-polling"
+    # Chunks go eagerly by default: the threshold covers the largest chunk on the wire.
+    from uzip_serve import format as fmt
+
+    t = kv_connector.parse_config({"listen": "h:5", "chunk_bytes": 1 << 19}, "kv_consumer").transport()
+    assert t.eager_bytes == fmt.max_compressed_size(1 << 19, "uint8") >= 1 << 19 and t.chunk_bytes == 1 << 19
+    assert t.cuda_ipc == "off" and t.progress_mode == "thread"
+    assert kv_connector.parse_config({"listen": "h:5", "ucx_eager": "false"}, "kv_consumer").transport().eager_bytes == 0
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(os.getppid())) < 2,
@@ -433,6 +443,60 @@ def test_transfers_reuse_one_connection():
         r.shutdown()
 
 
+def test_layers_land_in_the_cache_as_they_arrive():
+    """With the load registered before the KV comes (the usual case), each layer is written into
+    the paged cache by the receiver as soon as it is in, and the engine's step has nothing left
+    to write; a load given up (timed out) is never written to after that."""
+    import torch
+
+    r = _receiver()
+    s = _sender(r._listener.port)
+    try:
+        nblk = -(-NUM_TOKENS // 16)
+        r._kv = {n: torch.zeros(12, 1, 16, 512, dtype=torch.bfloat16) for n in r._layer_names}
+        table = [11, 3, 5, 7, 9, 1, 0][:nblk]
+        layers = _layers(7)
+        xfer = "a" * 32
+        spec = kv_connector.LoadSpec("r1", xfer, table, 0, NUM_TOKENS)
+        r._register_load(spec, time.monotonic() + 60)
+        r.bind_connector_metadata(kv_connector.UzipConnectorMetadata())  # a step without new loads
+        out = kv_connector._Outgoing(kv_connector.SaveSpec("r1", xfer, list(range(nblk)), NUM_TOKENS))
+        for i, b in enumerate(layers):
+            out.q.put((i, 0, b))
+        out.q.put(kv_connector._END)
+        s._send_one(out)
+        entry = _received(r, xfer)
+        assert entry.error is None and entry.written == set(range(18)) and not entry.layers
+        assert r._stats.counters["layers_on_arrival"] == 18
+        for i, name in enumerate(r._layer_names):
+            for j, blk in enumerate(table):
+                assert torch_equal_bits(r._kv[name][blk], layers[i][j]), (i, j)
+        res = r.get_transfer_results(set())
+        assert res.finished_recving == {"r1"} and not res.failed_recving
+        assert r._stats.counters["loads_ok"] == 1 and not r._load_specs
+
+        # A load that timed out: reported failed, and a layer that comes later is not written.
+        late = kv_connector.LoadSpec("r2", "b" * 32, table, 0, NUM_TOKENS)
+        r._register_load(late, time.monotonic() - 1)
+        hello = s._hello(kv_wire.KIND_TRANSFER, late.xfer_id, NUM_TOKENS, nblk)
+        entry = kv_connector._Incoming(hello, time.time())
+        with r._incoming_lock:
+            r._incoming[late.xfer_id] = entry
+        r._attach(entry, late)
+        r._arrive(entry, 0, "0", torch.ones(nblk, 1, 16, 512, dtype=torch.bfloat16))
+        assert entry.written == {0}
+        res = r.get_transfer_results(set())
+        assert res.failed_recving == {"r2"} and entry.abandoned
+        before = r._kv[r._layer_names[1]].clone()
+        r._arrive(entry, 0, "1", torch.ones(nblk, 1, 16, 512, dtype=torch.bfloat16))
+        assert entry.written == {0} and torch.equal(r._kv[r._layer_names[1]], before)
+        with pytest.raises(ValueError, match="unexpected message"):  # checked before anything is written
+            r._arrive(entry, 0, "2", torch.ones(nblk, 1, 16, 256, dtype=torch.bfloat16))
+    finally:
+        s.shutdown()
+        r.shutdown()
+
+
 # A Gemma-3-like layout with a 32-token window: layers 5, 11 and 17 are global. At NUM_TOKENS = 100
 # a windowed layer needs keys from position 68 on: blocks 4-6 of 0-6.
 SMALL_WINDOWS = [None if i % 6 == 5 else 32 for i in range(18)]
@@ -466,7 +530,8 @@ def test_sliding_window_layers_go_trimmed_and_land_in_place():
         for first_pos in (0, 5):  # 5: the first five blocks were local prefix-cache hits
             r._kv = {n: torch.zeros(12, 1, 16, 512, dtype=torch.bfloat16) for n in r._layer_names}
             table = [11, 3, 5, 7, 9, 1, 0]
-            r._inject(kv_connector.LoadSpec("r", xfer, table, first_pos, NUM_TOKENS), entry)
+            arrived = kv_connector._Incoming(entry.hello, entry.t_begin, layers=dict(entry.layers), done=True)
+            r._inject(kv_connector.LoadSpec("r", xfer, table, first_pos, NUM_TOKENS), arrived)
             for i, name in enumerate(r._layer_names):
                 kv = r._kv[name]
                 for j, blk in enumerate(table):
@@ -485,7 +550,8 @@ def test_sliding_window_layers_go_trimmed_and_land_in_place():
 
 def test_decode_with_prefix_caching_takes_whole_layers_only():
     """A decode side that does not allow trimming (prefix caching on) gets whole layers; a
-    sender that trims anyway is refused there, and the next transfer recovers."""
+    sender that trims anyway is refused inside the transfer, replaces the connection once, and
+    the new session's reply makes it send the same transfer whole."""
     r, s = _trimming_pair(False)
     try:
         layers = _layers(4)
@@ -495,12 +561,12 @@ def test_decode_with_prefix_caching_takes_whole_layers_only():
         assert not s._peer_trim and s._stats.counters["send_window_skipped_bytes"] == 0
         s._peer_trim = True  # as if it had missed the decode side's reply
         xfer, rec = _send(s, layers)
-        entry = _received(r, xfer)
-        assert "unexpected message" in entry.error and not entry.done
-        xfer, rec = _send(s, layers)  # a new connection; its reply says "whole layers"
         assert "error" not in rec, rec
         _assert_bitwise(_received(r, xfer), layers)
-        assert not s._peer_trim
+        assert not s._peer_trim and s._stats.counters["reconnects"] == 1 and s._stats.counters["connects"] == 2
+        xfer, rec = _send(s, layers)  # and the next one on the new connection
+        assert "error" not in rec, rec
+        _assert_bitwise(_received(r, xfer), layers)
     finally:
         s.shutdown()
         r.shutdown()

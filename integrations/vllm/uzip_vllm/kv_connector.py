@@ -16,11 +16,12 @@ How KV moves (push, layer by layer):
   while the forward computes the next layers, over a connection kept open between requests
   (no connect and no answered hello per request). The split-send pipeline compresses each
   chunk (auto / on / off);
-- decode, worker side: a listener thread receives the layers into a store keyed by xfer id;
-  the scheduler admits the request with an asynchronous load of the first `prompt - 1`
-  tokens, and once every layer has arrived `get_transfer_results` writes the blocks into the
-  paged cache and reports the request finished receiving. The last prompt token is computed
-  locally, which produces the first token's logits.
+- decode, worker side: a listener thread receives each transfer (a store entry keyed by xfer
+  id); the scheduler admits the request with an asynchronous load of the first `prompt - 1`
+  tokens; each layer is written into the paged cache as soon as it is decoded (or, if it came
+  before the load was registered, by the engine's step at the end), and `get_transfer_results`
+  reports the request finished receiving once all have arrived. The last prompt token is
+  computed locally, which produces the first token's logits.
 
 Nothing from the network is unpickled: control messages are fixed structs, tensors come
 through the p2p wire protocol (manifest + checksummed chunks).
@@ -110,11 +111,27 @@ class UzipKVConfig:
     # longer wait takes that loop off the cores the receiver and its codec threads need. Steps
     # with a forward wait 1 ms at most, so running requests are not held up.
     idle_wait_ms: float = 10.0
+    # Chunks go as UCX eager messages (TransportConfig.eager_bytes = the largest chunk on the
+    # wire), not rendezvous: over TCP each rendezvous left the link idle for a round trip and
+    # two thread wake-ups per chunk, which with both instances on 2 cores cost the compressed
+    # path most (docs/kv_connector.md). A request's KV is bounded, so what a late receiver
+    # buffers is too.
+    ucx_eager: bool = True
 
     @property
     def peer_host_port(self) -> tuple[str, int]:
         host, _, port = (self.peer or "").rpartition(":")
         return host, int(port)
+
+    def transport(self):
+        """The p2p TransportConfig of the connector's connections (UZIP_P2P_* env vars apply first)."""
+        from uzip_serve import format as fmt
+        from uzip_serve.p2p import TransportConfig
+
+        eager = fmt.max_compressed_size(self.chunk_bytes, "uint8") if self.ucx_eager else 0
+        return TransportConfig.from_env(compression=self.compression, progress_mode=self.progress_mode,
+                                        chunk_bytes=self.chunk_bytes, deadline_s=self.deadline_s, cuda_ipc="off",
+                                        eager_bytes=eager)
 
 
 def parse_config(extra: dict[str, Any], role: str | None) -> UzipKVConfig:
@@ -256,7 +273,11 @@ class _Stats:
 
 @dataclasses.dataclass
 class _Incoming:
-    """Layers of one transfer as they arrive on the decode worker."""
+    """One transfer on the decode worker. Each layer is written into the paged cache as it
+    arrives once the request's load is registered (`spec`); until then it waits in `layers`,
+    and the engine's step writes those at the end. `lock` orders a receiver thread's write
+    against the step that gives the load up (timed out, failed): after that, vLLM may hand
+    the blocks to another request, so nothing is written any more (`abandoned`)."""
     hello: Hello
     t_begin: float
     layers: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
@@ -265,6 +286,10 @@ class _Incoming:
     t_done: float = 0.0
     raw_bytes: int = 0
     wire_bytes: int = 0
+    spec: LoadSpec | None = None
+    written: set[int] = dataclasses.field(default_factory=set)
+    abandoned: bool = False
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
 class _Outgoing:
@@ -354,6 +379,17 @@ def _threads_start_unpinned():
         os.sched_setaffinity(0, before)
 
 
+def _copy_blocks(kv: torch.Tensor, ids: list[int], blocks: torch.Tensor) -> None:
+    """kv[ids[j]] = blocks[j]. On the CPU through numpy, on the calling thread alone: torch's
+    index_copy_ on a receiver thread started an OpenMP team of its own there, whose threads
+    spin for milliseconds after each copy on the cores the transfer needs."""
+    if kv.is_cuda:
+        kv.index_copy_(0, torch.tensor(ids, dtype=torch.long, device=kv.device), blocks.to(kv.device))
+        return
+    dst = kv.view(kv.shape[0], -1).view(torch.uint8).numpy()
+    dst[ids] = blocks.reshape(len(ids), -1).view(torch.uint8).numpy()
+
+
 def _tp() -> tuple[int, int]:
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
@@ -402,7 +438,6 @@ class UzipConnector(KVConnectorBase_V1):
         self._windows: list[int | None] = []  # per layer: its sliding window, None for full attention
         self._stats: _Stats | None = None
         self._outgoing: dict[str, _Outgoing] = {}
-        self._pending: dict[str, tuple[LoadSpec, float]] = {}
         self._transport = None
         self._init_link_state()
         self._allow_trim = (not self._producer and self._cfg.window_trim
@@ -415,6 +450,8 @@ class UzipConnector(KVConnectorBase_V1):
         self._listener = None                           # consumer
         self._sessions: set = set()                     # consumer: open connections, aborted at shutdown
         self._incoming: dict[str, _Incoming] = {}       # consumer: transfers by xfer id
+        self._pending: dict[str, tuple[LoadSpec, float]] = {}  # consumer: loads by request, with deadlines
+        self._load_specs: dict[str, LoadSpec] = {}      # consumer: the same loads by xfer id
         self._incoming_lock = threading.Lock()
         self._arrived = threading.Event()               # set by receiver threads when a transfer ends
         self._closed = False
@@ -487,8 +524,6 @@ class UzipConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         """Called once per worker after the KV cache is allocated: layout, then the listener
         (consumer) or the start-up probe of the decode side (producer)."""
-        from uzip_serve.p2p import TransportConfig
-
         self._kv = {name: (t[0] if isinstance(t, (list, tuple)) else t) for name, t in kv_caches.items()}
         self._layer_names = list(self._kv)
         self._layer_index = {n: i for i, n in enumerate(self._layer_names)}
@@ -508,10 +543,7 @@ class UzipConnector(KVConnectorBase_V1):
         if self._cfg.stats_dir:
             os.makedirs(self._cfg.stats_dir, exist_ok=True)
             stats_path = os.path.join(self._cfg.stats_dir, f"{role}-tp{self._tp_rank}.json")
-        self._transport = TransportConfig.from_env(compression=self._cfg.compression,
-                                                   progress_mode=self._cfg.progress_mode,
-                                                   chunk_bytes=self._cfg.chunk_bytes,
-                                                   deadline_s=self._cfg.deadline_s, cuda_ipc="off")
+        self._transport = self._cfg.transport()
         with _threads_start_unpinned():
             self._stats = _Stats(stats_path)
             if self._producer:
@@ -832,20 +864,17 @@ class UzipConnector(KVConnectorBase_V1):
         entry = _Incoming(hello, time.time())
         with self._incoming_lock:
             self._incoming[hello.xfer_id] = entry
+            spec = self._load_specs.get(hello.xfer_id)
+            if spec is not None:
+                self._attach(entry, spec)
         try:
             i = 0
             while i < hello.num_layers:  # one transfer carries the next one or more layers, in order
-                got = ep.recv_tensors()
+                got = ep.recv_tensors(on_tensor=lambda name, t, first=i: self._arrive(entry, first, name, t))
                 st = ep.last_stats
-                for name, t in got.items():
-                    trimmed = self._window_first_block(i, hello.num_tokens) if self._allow_trim else 0
-                    least = hello.num_blocks - trimmed
-                    if (i >= hello.num_layers or name != str(i) or tuple(t.shape[1:]) != self._page_shape
-                            or not least <= t.shape[0] <= hello.num_blocks or t.dtype != self._dtype):
-                        raise ValueError(f"layer {i}: unexpected message "
-                                         f"{[(k, tuple(v.shape), v.dtype) for k, v in got.items()]}")
-                    entry.layers[i] = t
-                    i += 1
+                if list(got) != [str(j) for j in range(i, i + len(got))]:
+                    raise ValueError(f"layer {i}: unexpected message {list(got)}")
+                i += len(got)
                 if not got:
                     raise ValueError(f"layer {i}: an empty transfer")
                 if len(got) == i:  # the first message: how far a transfer cut short got
@@ -861,6 +890,40 @@ class UzipConnector(KVConnectorBase_V1):
         entry.done = True
         self._arrived.set()
 
+    def _arrive(self, entry: _Incoming, first: int, name: str, t: torch.Tensor) -> None:
+        """A layer is complete (a p2p codec thread, as soon as its last chunk is in): checked,
+        then written into the paged cache if the load is registered, else kept. An error
+        refuses the transfer."""
+        h = entry.hello
+        i = int(name) if name.isdigit() else -1
+        trimmed = self._window_first_block(i, h.num_tokens) if self._allow_trim and i >= 0 else 0
+        if not (first <= i < h.num_layers and tuple(t.shape[1:]) == self._page_shape and t.dtype == self._dtype
+                and h.num_blocks - trimmed <= t.shape[0] <= h.num_blocks):
+            raise ValueError(f"layer {first}: unexpected message {name!r} {tuple(t.shape)} {t.dtype}")
+        with entry.lock:
+            if entry.spec is None or entry.abandoned:
+                entry.layers[i] = t
+                return
+            self._write_layer(entry.spec, h, i, t, sync=True)
+            entry.written.add(i)
+        self._stats.add(layers_on_arrival=1)
+
+    def _attach(self, entry: _Incoming, spec: LoadSpec) -> None:
+        """The load of a transfer that is arriving: later layers go into the cache as they come.
+        A transfer that does not fit the load is left to _inject, which fails it."""
+        if self._load_error(spec, entry.hello) is None:
+            with entry.lock:
+                entry.spec = spec
+
+    @staticmethod
+    def _load_error(spec: LoadSpec, h: Hello) -> str | None:
+        if h.num_tokens != spec.num_tokens:
+            return (f"prefill sent KV of {h.num_tokens} tokens, decode expects {spec.num_tokens} "
+                    f"(different tokenization?)")
+        if len(spec.block_ids) != h.num_blocks:
+            return f"{h.num_blocks} blocks sent, {len(spec.block_ids)} allocated"
+        return None
+
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         """Registers this step's new loads; they complete in get_transfer_results."""
         if self._producer or not self.has_connector_metadata():
@@ -870,8 +933,16 @@ class UzipConnector(KVConnectorBase_V1):
             return
         now = time.monotonic()
         for spec in meta.loads:
-            self._pending[spec.req_id] = (spec, now + self._cfg.load_timeout_s)
+            self._register_load(spec, now + self._cfg.load_timeout_s)
             self._stats.note(spec.xfer_id, t_load_requested=time.time())
+
+    def _register_load(self, spec: LoadSpec, deadline: float) -> None:
+        self._pending[spec.req_id] = (spec, deadline)
+        with self._incoming_lock:
+            self._load_specs[spec.xfer_id] = spec
+            entry = self._incoming.get(spec.xfer_id)
+            if entry is not None:
+                self._attach(entry, spec)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads are asynchronous and complete before the request is scheduled: nothing to wait for."""
@@ -882,9 +953,10 @@ class UzipConnector(KVConnectorBase_V1):
         return None, res.finished_recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        """Each step: writes complete transfers into the paged cache; a failed, refused or
-        overdue one is reported in failed_recving, and vLLM applies kv_load_failure_policy
-        (recompute or fail). A partial transfer is never written."""
+        """Each step: completes the transfers that arrived (their layers are in the paged cache,
+        most of them written as they came); a failed, refused or overdue one is reported in
+        failed_recving, and vLLM applies kv_load_failure_policy (recompute or fail: blocks of a
+        partial transfer are recomputed or freed, never read)."""
         res = KVConnectorTransferResults()
         if self._producer or not self._pending:
             self._gc()
@@ -913,7 +985,12 @@ class UzipConnector(KVConnectorBase_V1):
                 continue
             del self._pending[req_id]
             with self._incoming_lock:
-                self._incoming.pop(spec.xfer_id, None)
+                # a retry of a refused transfer may have replaced the entry since: give both up
+                latest = self._incoming.pop(spec.xfer_id, None)
+                self._load_specs.pop(spec.xfer_id, None)
+            for e in {id(x): x for x in (entry, latest) if x is not None}.values():
+                with e.lock:  # waits for a layer being written; none is written after this
+                    e.abandoned = True
             res.finished_recving.add(req_id)
             t = time.time()
             if error:
@@ -931,23 +1008,35 @@ class UzipConnector(KVConnectorBase_V1):
         return res
 
     def _inject(self, spec: LoadSpec, entry: _Incoming) -> None:
-        h = entry.hello
-        if h.num_tokens != spec.num_tokens:
-            raise ValueError(f"prefill sent KV of {h.num_tokens} tokens, decode expects {spec.num_tokens} "
-                             f"(different tokenization?)")
-        if len(spec.block_ids) != h.num_blocks:
-            raise ValueError(f"{h.num_blocks} blocks sent, {len(spec.block_ids)} allocated")
-        if spec.first_pos >= len(spec.block_ids):
-            return
-        for i, name in enumerate(self._layer_names):
-            kv, blocks = self._kv[name], entry.layers[i]
-            skipped = h.num_blocks - blocks.shape[0]  # a sliding-window layer's blocks before its window
-            start = max(spec.first_pos, skipped)
-            dst = torch.tensor(spec.block_ids[start:], dtype=torch.long, device=kv.device)
-            kv.index_copy_(0, dst, blocks[start - skipped:].to(kv.device))
-            if self._cfg.test_poison_untransferred and skipped > spec.first_pos:
-                gone = torch.tensor(spec.block_ids[spec.first_pos:skipped], dtype=torch.long, device=kv.device)
-                kv.index_fill_(0, gone, float("nan"))
+        """The engine's step, once a transfer is complete: writes the layers that arrived
+        before its load was registered (or all of them, for a load registered too late)."""
+        error = self._load_error(spec, entry.hello)
+        if error:
+            raise ValueError(error)
+        late = 0
+        with entry.lock:
+            for i in range(len(self._layer_names)):
+                if i not in entry.written:
+                    self._write_layer(spec, entry.hello, i, entry.layers.pop(i))
+                    entry.written.add(i)
+                    late += 1
+        if late:
+            self._stats.add(layers_in_step=late)
+
+    def _write_layer(self, spec: LoadSpec, h: Hello, i: int, blocks: torch.Tensor, sync: bool = False) -> None:
+        """Layer i's received blocks into the request's blocks of the paged cache (those past
+        its local prefix-cache hits). Called with the transfer's lock held. `sync`: a receiver
+        thread's copy to a GPU is complete before the step that reports the load done."""
+        kv = self._kv[self._layer_names[i]]
+        skipped = h.num_blocks - blocks.shape[0]  # a sliding-window layer's blocks before its window
+        start = max(spec.first_pos, skipped)
+        if start < len(spec.block_ids):
+            _copy_blocks(kv, spec.block_ids[start:], blocks[start - skipped:])
+        if self._cfg.test_poison_untransferred and skipped > spec.first_pos:
+            gone = torch.tensor(spec.block_ids[spec.first_pos:skipped], dtype=torch.long, device=kv.device)
+            kv.index_fill_(0, gone, float("nan"))
+        if sync and kv.is_cuda:
+            torch.cuda.current_stream(kv.device).synchronize()
 
     def _gc(self) -> None:
         """Drops received transfers nobody claimed (the decode request never came)."""
