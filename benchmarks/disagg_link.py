@@ -202,7 +202,7 @@ def inner(args) -> int:
                     for mode in modes:
                         seed += 1
                         _http(url + "/uzip/disagg/config", {"compression": mode})
-                        t_start = time.time()
+                        t_start, ticks = time.time(), machine.cpu_ticks()
                         bench = _bench_serve(url, args.model, input_len, args.output_len, args.num_prompts, seed,
                                              work / f"b-{rate}-{input_len}-{mode}-{rep}.json")
                         time.sleep(0.5)  # the workers' stats files are written after the answer
@@ -213,7 +213,8 @@ def inner(args) -> int:
                                "itl_p50_ms": bench.get("median_itl_ms"), "itl_p99_ms": bench.get("p99_itl_ms"),
                                "request_throughput": bench.get("request_throughput"),
                                "output_throughput": bench.get("output_throughput"),
-                               "completed": bench.get("completed"), "split": _split(recs)}
+                               "completed": bench.get("completed"), "split": _split(recs),
+                               "host_cpu": machine.cpu_share(ticks, machine.cpu_ticks())}
                         results.append(row)
                         print("RUN " + json.dumps(row), flush=True)
         stats = _http(url + "/uzip/disagg/stats")
@@ -467,7 +468,7 @@ def kv_only(args) -> int:
     link_up()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "integrations" / "vllm"),
                                                         os.environ.get("PYTHONPATH", "")])}
-    runs, counters = [], {}
+    runs, counters, host_cpu = [], {}, {}
     try:
         for k, rate in enumerate(args.rates):
             set_rate(rate)
@@ -478,6 +479,7 @@ def kv_only(args) -> int:
                                     stdout=subprocess.PIPE, text=True, cwd=str(REPO), env=env, **NEW_PROCESS_GROUP)
             try:
                 assert recv.stdout.readline().strip() == "READY"
+                ticks = machine.cpu_ticks()
                 r = subprocess.run(["ip", "netns", "exec", NS["pf"], sys.executable, "-m", "benchmarks.disagg_link",
                                     "--kv-only-role", "send", "--kv-port", str(port), "--input-lens",
                                     ",".join(map(str, args.input_lens)), "--repeats", str(args.repeats),
@@ -485,6 +487,7 @@ def kv_only(args) -> int:
                                     "--kv-only-gap", str(args.kv_only_gap)]
                                    + (["--kv-only-touch"] if args.kv_only_touch else []) + trim,
                                    capture_output=True, text=True, cwd=str(REPO), env=env, timeout=1200)
+                host_cpu[rate] = machine.cpu_share(ticks, machine.cpu_ticks())
                 line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
                 if not line:
                     raise RuntimeError(f"sender failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
@@ -520,7 +523,7 @@ def kv_only(args) -> int:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     result = {"benchmark": "disagg_kv_only", "machine": machine.describe(),
-              "host_idle_memory": host,
+              "host_idle_memory": host, "host_cpu": host_cpu,
               "what": "UzipConnector's sender and receiver code (a connection kept open across transfers: transfer "
                       "hello + the p2p transfers of the layers) without vLLM, real Gemma-3-270M bf16 KV "
                       "(benchmarks.realdata gemma_activations, 493 tokens repeated), vLLM CPU page layout, over the "

@@ -61,3 +61,32 @@ def describe() -> dict:
     except Exception:  # a description must never fail a benchmark
         pass
     return info
+
+
+_CPU_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+
+
+def cpu_ticks() -> dict[str, int] | None:
+    """The host's CPU time so far by kind (/proc/stat, all CPUs), for cpu_share."""
+    try:
+        with open("/proc/stat") as f:
+            parts = f.readline().split()
+    except OSError:
+        return None
+    return dict(zip(_CPU_FIELDS, map(int, parts[1:1 + len(_CPU_FIELDS)])))
+
+
+def cpu_share(before: dict[str, int] | None, after: dict[str, int] | None) -> dict[str, float] | None:
+    """How the host's CPUs spent the time between two cpu_ticks(), as fractions, with the
+    load average at the end. On a VM `steal` is time the hypervisor gave to other guests: a run
+    with much of it, or with little `idle`, was measured on a busy host."""
+    if not before or not after:
+        return None
+    delta = {k: after[k] - before[k] for k in _CPU_FIELDS}
+    total = sum(delta.values()) or 1
+    share = {k: round(v / total, 3) for k, v in delta.items()}
+    try:
+        share["loadavg_1m"] = os.getloadavg()[0]
+    except OSError:
+        pass
+    return share
