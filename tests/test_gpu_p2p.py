@@ -137,7 +137,8 @@ def _receiver(q, config_kwargs, rounds, relay_port=None):
     """Receives each round (specs, where, *options) and reports whether every tensor matched,
     the path, and how many messages this side sent during the transfer. Options: "relay"
     forwards the round to the receiver at `relay_port`; "wrong" gives an `into` one element
-    too long (the transfer must fail; the error is reported and the receiver stops)."""
+    too long (the transfer must fail; the error is reported and the receiver stops); "hand"
+    receives with on_tensor and reports, per tensor handed over, whether it was whole then."""
     from uzip_serve import p2p
 
     async def main():
@@ -158,14 +159,25 @@ def _receiver(q, config_kwargs, rounds, relay_port=None):
             sent = 0
             forward = [down] if "relay" in options else []
             extra = 1 if "wrong" in options else 0
+            handed: dict[str, list[bool]] = {}
+            seeds = {name: (dt, n, seed) for name, dt, n, seed in specs}
+
+            def on_tensor(name, t):  # on a codec thread or the loop: checked as handed over
+                dt, n, seed = seeds[name]
+                want = make(dt, n, seed, t.device).reshape(-1).view(torch.uint8)
+                whole = torch.equal(t.reshape(-1).view(torch.uint8), want)
+                handed.setdefault(name, []).append(whole)
+
+            hand = {"on_tensor": on_tensor} if "hand" in options else {}
             try:
                 if where == "cuda_into" or where == "cpu_into":
                     dev = "cuda" if where == "cuda_into" else "cpu"
                     into = {name: torch.full((n + extra,), 7, dtype=getattr(torch, dt)).to(dev) if n else
                             torch.empty(0, dtype=getattr(torch, dt), device=dev) for name, dt, n, _ in specs}
-                    got = await ep.recv_tensors(into=into, forward=forward)
+                    got = await ep.recv_tensors(into=into, forward=forward, **hand)
                 else:
-                    got = await ep.recv_tensors(device="cuda" if where == "cuda_new" else None, forward=forward)
+                    got = await ep.recv_tensors(device="cuda" if where == "cuda_new" else None, forward=forward,
+                                                **hand)
             except p2p.TransferError as e:
                 if not extra:
                     raise
@@ -183,7 +195,7 @@ def _receiver(q, config_kwargs, rounds, relay_port=None):
                 if not ok:
                     bad.append(name)
             st = ep.last_stats
-            q.put(("got", bad, st.path, st.chunks_compressed, sent, st.preposted))
+            q.put(("got", bad, st.path, st.chunks_compressed, sent, st.preposted, handed))
             del got
         await ep.close()
         if down is not None:
@@ -376,6 +388,24 @@ def test_eager_payload_into_a_wrong_destination_fails_fast_on_both_sides():
         asyncio.run(asyncio.wait_for(main(), 50))  # a hang guard under the deadline: a timeout fails
     finally:
         peer.stop()
+
+
+@gpu
+@pytest.mark.parametrize("where,sender,receiver,path", [
+    ("cuda_into", {}, {}, "ucx_cuda"),
+    ("cpu_new", {}, {}, "cuda_ipc"),  # a host destination: the route is refused, IPC whole mode
+    ("cuda_into", {"compression": "on", "chunk_bytes": 2 * MiB, "ipc_chunk_bytes": 2 * MiB}, {}, "cuda_ipc"),  # chunks
+])
+def test_on_tensor_hands_over_each_tensor_once_and_whole_on_gpu_routes(where, sender, receiver, path):
+    if sender.get("compression") == "on":
+        pytest.importorskip("cupy")
+    rounds = [_two(where, 60 + 2 * i, "hand") for i in range(2)]
+    for stats, report in run_rounds(rounds, sender, **receiver):
+        bad, got_path, handed = report[1], report[2], report[-1]
+        assert not bad and got_path == path == stats.path
+        assert handed == {"w": [True], "x": [True], "e": [True]}  # the empty one too, as on the chunk stream
+        if sender.get("compression") == "on":
+            assert stats.chunks_compressed >= 3  # w alone is three GPU-compressed chunks
 
 
 @gpu
