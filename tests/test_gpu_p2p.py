@@ -391,16 +391,16 @@ def test_eager_payload_into_a_wrong_destination_fails_fast_on_both_sides():
 
 
 @gpu
-@pytest.mark.parametrize("where,sender,receiver,path", [
-    ("cuda_into", {}, {}, "ucx_cuda"),
-    ("cpu_new", {}, {}, "cuda_ipc"),  # a host destination: the route is refused, IPC whole mode
-    ("cuda_into", {"compression": "on", "chunk_bytes": 2 * MiB, "ipc_chunk_bytes": 2 * MiB}, {}, "cuda_ipc"),  # chunks
+@pytest.mark.parametrize("where,sender,path", [
+    ("cuda_into", {}, "ucx_cuda"),
+    ("cpu_new", {}, "cuda_ipc"),  # a host destination: the route is refused, IPC whole mode
+    ("cuda_into", {"compression": "on", "chunk_bytes": 2 * MiB, "ipc_chunk_bytes": 2 * MiB}, "cuda_ipc"),  # chunks
 ])
-def test_on_tensor_hands_over_each_tensor_once_and_whole_on_gpu_routes(where, sender, receiver, path):
+def test_on_tensor_hands_over_each_tensor_once_and_whole_on_gpu_routes(where, sender, path):
     if sender.get("compression") == "on":
         pytest.importorskip("cupy")
     rounds = [_two(where, 60 + 2 * i, "hand") for i in range(2)]
-    for stats, report in run_rounds(rounds, sender, **receiver):
+    for stats, report in run_rounds(rounds, sender):
         bad, got_path, handed = report[1], report[2], report[-1]
         assert not bad and got_path == path == stats.path
         assert handed == {"w": [True], "x": [True], "e": [True]}  # the empty one too, as on the chunk stream
