@@ -214,7 +214,7 @@ def inner(args) -> int:
                                "request_throughput": bench.get("request_throughput"),
                                "output_throughput": bench.get("output_throughput"),
                                "completed": bench.get("completed"), "split": _split(recs),
-                               "host_cpu": machine.cpu_share(ticks, machine.cpu_ticks())}
+                               "host_cpu": machine.cpu_share(ticks)}
                         results.append(row)
                         print("RUN " + json.dumps(row), flush=True)
         stats = _http(url + "/uzip/disagg/stats")
@@ -491,7 +491,7 @@ def kv_only(args) -> int:
                                     "--kv-only-gap", str(args.kv_only_gap)]
                                    + (["--kv-only-touch"] if args.kv_only_touch else []) + trim,
                                    capture_output=True, text=True, cwd=str(REPO), env=env, timeout=1200)
-                host_cpu[rate] = machine.cpu_share(ticks, machine.cpu_ticks())
+                host_cpu[rate] = machine.cpu_share(ticks)
                 line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
                 if not line:
                     raise RuntimeError(f"sender failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")

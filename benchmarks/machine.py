@@ -76,10 +76,11 @@ def cpu_ticks() -> dict[str, int] | None:
     return dict(zip(_CPU_FIELDS, map(int, parts[1:1 + len(_CPU_FIELDS)])))
 
 
-def cpu_share(before: dict[str, int] | None, after: dict[str, int] | None) -> dict[str, float] | None:
-    """How the host's CPUs spent the time between two cpu_ticks(), as fractions, with the
-    load average at the end. On a VM `steal` is time the hypervisor gave to other guests: a run
-    with much of it, or with little `idle`, was measured on a busy host."""
+def cpu_share(before: dict[str, int] | None, after: dict[str, int] | None = None) -> dict[str, float] | None:
+    """How the host's CPUs spent the time between two cpu_ticks() (`after` default: now), as
+    fractions, with the load average at the end. On a VM `steal` is time the hypervisor gave to
+    other guests: a run with much of it, or with little `idle`, was measured on a busy host."""
+    after = cpu_ticks() if after is None else after
     if not before or not after:
         return None
     delta = {k: after[k] - before[k] for k in _CPU_FIELDS}

@@ -133,6 +133,11 @@ def batch(specs, device="cuda"):
     return {name: make(dt, n, seed, device) for name, dt, n, seed in specs}
 
 
+def same_bits(t, dt: str, n: int, seed: int) -> bool:
+    """`t` holds exactly the bytes of make(dt, n, seed), wherever it lives."""
+    return torch.equal(t.reshape(-1).view(torch.uint8), make(dt, n, seed, t.device).reshape(-1).view(torch.uint8))
+
+
 def _receiver(q, config_kwargs, rounds, relay_port=None):
     """Receives each round (specs, where, *options) and reports whether every tensor matched,
     the path, and how many messages this side sent during the transfer. Options: "relay"
@@ -163,10 +168,7 @@ def _receiver(q, config_kwargs, rounds, relay_port=None):
             seeds = {name: (dt, n, seed) for name, dt, n, seed in specs}
 
             def on_tensor(name, t):  # on a codec thread or the loop: checked as handed over
-                dt, n, seed = seeds[name]
-                want = make(dt, n, seed, t.device).reshape(-1).view(torch.uint8)
-                whole = torch.equal(t.reshape(-1).view(torch.uint8), want)
-                handed.setdefault(name, []).append(whole)
+                handed.setdefault(name, []).append(same_bits(t, *seeds[name]))
 
             hand = {"on_tensor": on_tensor} if "hand" in options else {}
             try:
@@ -190,8 +192,7 @@ def _receiver(q, config_kwargs, rounds, relay_port=None):
                 t = got[name]
                 want_dev = "cuda" if where.startswith("cuda") else "cpu"
                 ok = t.device.type == want_dev and t.dtype == getattr(torch, dt) and t.numel() == n
-                ok = ok and torch.equal(t.reshape(-1).view(torch.uint8),
-                                        make(dt, n, seed, t.device).reshape(-1).view(torch.uint8))
+                ok = ok and same_bits(t, dt, n, seed)
                 if not ok:
                     bad.append(name)
             st = ep.last_stats
