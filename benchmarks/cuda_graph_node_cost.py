@@ -1,15 +1,20 @@
-"""What an extra node costs in a CUDA graph (docs/gpu.md, round 10).
+"""What a CUDA graph's nodes cost, and what its launch adds to an event-timed replay
+(docs/gpu.md, rounds 10 and 11).
 
-Graphs of trivial fill (zero_) and add kernels, each replayed 200 times with CUDA events around
-the replay; prints the median per graph shape. Run on a GPU machine:
+Graphs of trivial fill (zero_) and add kernels, each replayed 200 times and timed two ways
+(benchmarks/codec_gpu.py): with the GPU idle at the start event, so the host's graph launch is
+in the time (time_ms, "host-paced"), and queued behind a spin kernel, so the events bracket the
+GPU's work alone (gpu_time_ms). Prints the median per graph shape. Run on a GPU machine:
 
-    python3 benchmarks/cuda_graph_node_cost.py
+    python3 -m benchmarks.cuda_graph_node_cost
 """
 import torch
 
+from benchmarks.codec_gpu import gpu_time_ms, time_ms
 
-def timed(n_fill: int, n_k: int = 1, reps: int = 200) -> float:
-    """Median GPU time (us) of replaying a graph of n_fill fills and n_k small kernels."""
+
+def graph(n_fill: int, n_k: int) -> "torch.cuda.CUDAGraph":
+    """A graph of n_fill fills and n_k small kernels."""
     s = torch.cuda.Stream()
     bufs = [torch.empty(130, dtype=torch.int64, device="cuda") for _ in range(n_fill)]
     x = torch.empty(1 << 10, device="cuda")
@@ -26,19 +31,15 @@ def timed(n_fill: int, n_k: int = 1, reps: int = 200) -> float:
             b.zero_()
         for _ in range(n_k):
             x.add_(1)
-    ts = []
-    for _ in range(reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        g.replay()
-        e1.record()
-        e1.synchronize()
-        ts.append(e0.elapsed_time(e1) * 1000)
-    ts.sort()
-    return ts[len(ts) // 2]
+    g._keep = (bufs, x)  # the graph's buffers live as long as it does
+    return g
 
 
 if __name__ == "__main__":
     torch.cuda.init()
+    print(torch.cuda.get_device_name())
     for nf, nk in [(0, 1), (1, 1), (2, 1), (0, 2), (2, 2), (0, 4)]:
-        print(f"fills={nf} kernels={nk}: graph {timed(nf, nk):.1f} us")
+        g = graph(nf, nk)
+        paced = time_ms(lambda r: g.replay(), 200, warmup=3) * 1e3
+        gpu, queued = gpu_time_ms(lambda r: g.replay(), 200, warmup=3)
+        print(f"fills={nf} kernels={nk}: host-paced {paced:.1f} us, GPU time {gpu * 1e3:.1f} us (queued={queued})")
