@@ -153,6 +153,21 @@ def test_small_tensors_take_small_blocks(gpu):
     h = uz.read_header(gframe)
     assert h.block_elems == fmt.small_block_elems(150_000) == fmt.SMALL_BLOCK_ELEMS
     assert h.num_blocks == 37
+    assert h.substream_elems == 128  # the shortest decode chains for the smallest blocks
+
+
+def test_substream_length_follows_tensor_size(monkeypatch):
+    """128 symbols per sub-stream in the smallest blocks, 256 up to 8 MiB, then 512; the
+    environment override wins and is checked."""
+    monkeypatch.delenv("UZIP_GPU_SUBSTREAM", raising=False)
+    for nbytes, want in ((2, 128), (1 << 20, 128), (4 << 20, 256), (8 << 20, 512), (1 << 30, 512)):
+        be = fmt.small_block_elems(nbytes // 2)
+        assert kc.encoder_substream(nbytes, be) == want, (nbytes, be)
+    monkeypatch.setenv("UZIP_GPU_SUBSTREAM", "1024")
+    assert kc.encoder_substream(1 << 20, 4096) == 1024
+    monkeypatch.setenv("UZIP_GPU_SUBSTREAM", "100")
+    with pytest.raises(ValueError, match="power of two"):
+        kc.encoder_substream(1 << 20, 4096)
 
 
 def test_lookback_over_many_windows(gpu, monkeypatch):
@@ -280,6 +295,30 @@ def test_block_table_lies_on_gpu(gpu, gpu_frames):
                     gpu.decompress(corr.with_fresh_header_hash(bad))
 
 
+def test_errors_are_one_word_per_block_with_no_fill(gpu):
+    """check=False hands back one error word per block, which every block writes itself (the
+    launcher allocates them without a fill): a flipped payload byte in block 2 fails block 2
+    alone, and first_error names it."""
+    x = random_tensor(torch.bfloat16, 5 * 4096, seed=3, kind="normal")
+    frame = bytearray(gpu.compress(x))
+    h = uz.read_header(bytes(frame))
+    assert h.num_blocks == 5
+    (end1,) = struct.unpack_from("<Q", frame, h.table_offset + fmt.TABLE_ENTRY.size * 1)
+    frame[h.payload_offset + end1 + 40] ^= 0x10
+    for data, bad_block in ((bytes(frame), 2), (gpu.compress(x), None)):
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(gpu.dev)
+        _, errors = gpu.codec.decompress_device(buf, uz.read_header(data), check=False)
+        words = [int(w) for w in errors.cpu()]
+        assert len(words) == 5
+        for b, w in enumerate(words):
+            assert (w == kc.CLEAN) == (b != bad_block), (b, hex(w))
+        if bad_block is None:
+            assert kc.first_error(errors) is None
+        else:
+            assert words[bad_block] >> 8 == bad_block
+            assert kc.first_error(errors).startswith(f"block {bad_block}: ")
+
+
 def test_general_flag_is_required_on_gpu(gpu):
     _, frame = corr.FRAMES[1]  # SPARSE blocks: the general decoder
     assert gpu_decode_exact_or_error(gpu, corr.FRAMES[1][0], frame)
@@ -348,7 +387,7 @@ def test_device_api_and_capture_safe_variant(cuda_codec):
     g.replay()
     torch.cuda.synchronize()
     assert int(size3.item()) == n and torch.equal(out3[:n].cpu(), out[:n].cpu())
-    assert int(err.item()) == -1 and torch.equal(bits(y), bits(x))
+    assert err.numel() == hdr.num_blocks and kc.first_error(err) is None and torch.equal(bits(y), bits(x))
 
 
 def test_compress_into_host_buffer(cuda_codec):

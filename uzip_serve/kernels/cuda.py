@@ -11,8 +11,8 @@ Host synchronization points (docs/gpu.md):
   - loading the kernels on a device (once per process and device);
   - compress_device(): reading back the frame size (compress_device_async: none);
   - decompress_device(): reading the header and block table of a device-resident frame
-    (skipped when the caller passes the parsed header), and one read of the error word at the
-    end (skipped with check=False, which hands the error word back instead).
+    (skipped when the caller passes the parsed header), and one read of the lowest error word
+    at the end (skipped with check=False, which hands the error words back instead).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ LUT_BYTES = 2048 * 4 + 2048 * 2  # decode table + single-symbol table
 MAX_ENC_SUBSTREAM = 1024
 SM_SHARED_BYTES = 228 * 1024  # shared memory per SM on Hopper (H100/H200)
 SM_BLOCK_RESERVED = 1024  # the system's share of it per CUDA block
-NO_ERROR = (1 << 64) - 1
+CLEAN = (1 << 63) - 1  # a block's error word when it decoded clean (UZ_CLEAN)
 
 _ERRORS = {
     1: "block checksum mismatch (payload corrupted)",
@@ -89,10 +89,11 @@ def _nplanes(dt: fmt.DType) -> int:
 FAST_DECODERS = ("bf16", "fp32", "b1", "b2")
 
 
-def encoder_substream(nbytes: int) -> int:
-    """Symbols per sub-stream in a GPU frame of `nbytes` original bytes (docs/gpu.md). Each
-    sub-stream costs 2 bytes of offsets and half a byte of padding; a decoding thread takes
-    one, so its length is a small frame's decode latency. $UZIP_GPU_SUBSTREAM overrides."""
+def encoder_substream(nbytes: int, block_elems: int) -> int:
+    """Symbols per sub-stream in a GPU frame of `nbytes` original bytes in blocks of
+    `block_elems` (docs/gpu.md). Each sub-stream costs 2 bytes of offsets and half a byte of
+    padding; a decoding thread takes one, so its length is a small frame's decode latency.
+    $UZIP_GPU_SUBSTREAM overrides."""
     env = os.environ.get("UZIP_GPU_SUBSTREAM")
     if env:
         s = int(env)
@@ -101,8 +102,12 @@ def encoder_substream(nbytes: int) -> int:
         return s
     if nbytes >= 8 << 20:
         return 512
-    # 128 below 2 MiB was tried with 4096-element blocks: within 1-2 us of 256 in two runs
-    # (37.0 / 38.5 vs 39.1 / 38.1 us for 1 MiB compress + decompress), for 0.5% more bytes
+    if block_elems <= fmt.SMALL_BLOCK_ELEMS:
+        # the smallest blocks (tensors under 2M elements): a frame is about one wave of blocks,
+        # so one decode chain is the decoder's latency. 128 against 256 at 1 MiB bf16 (H100,
+        # round 11, GPU time in a graph): compress + decompress 35.2 against 36.7 us on
+        # N(0, 0.02), 47.7 against 53.7 us on Gemma-3 weights, for 0.5-0.7% more bytes
+        return 128
     return 256
 
 
@@ -277,7 +282,8 @@ class CudaCodec:
         if len(shape) > fmt.MAX_NDIM:
             raise ValueError(f"tensors of more than {fmt.MAX_NDIM} dims are not supported (got {len(shape)})")
         numel = tensor.numel()
-        be, ss = encoder_block_elems(numel), encoder_substream(numel * dt.itemsize)
+        be = encoder_block_elems(numel)
+        ss = encoder_substream(numel * dt.itemsize, be)
         need = fmt.max_compressed_size(numel * dt.itemsize, dt.name, ndim=len(shape), block_elems=be)
         if out.dtype != torch.uint8 or out.device != tensor.device or out.numel() < need or not out.is_contiguous():
             raise ValueError(f"out must be a contiguous uint8 tensor on {tensor.device} of at least {need} bytes")
@@ -319,8 +325,10 @@ class CudaCodec:
 
         header: the parsed header (format.parse_header) if the caller has it; else the header
         and block table are copied to the host and validated there (a sync). check=False
-        returns (tensor, error_word) without synchronizing; error_word is a CUDA int64, -1
-        when clean (see error_message). One kernel launch (and a fill of the error word)."""
+        returns (tensor, errors) without synchronizing: errors is a CUDA int64 tensor of one
+        word per block, which the kernel writes itself (first_error reads it). One kernel
+        launch, nothing filled before it: inside a CUDA graph a fill would be a node of its
+        own."""
         import torch
 
         if header is None:
@@ -329,7 +337,7 @@ class CudaCodec:
         dev = frame.device
         if out is None:
             out = torch.empty(header.shape, dtype=getattr(torch, dt.name), device=dev)
-        err = torch.full((1,), -1, dtype=torch.int64, device=dev)
+        err = torch.empty(header.num_blocks, dtype=torch.int64, device=dev)
         if header.numel == 0:
             return out if check else (out, err)
         if frame.data_ptr() % 16:
@@ -376,16 +384,24 @@ class CudaCodec:
 
 
 def error_message(word: int) -> str | None:
-    word &= NO_ERROR
-    if word == NO_ERROR:
+    """What an error word says: None when clean, else which block failed and why."""
+    if word == CLEAN:
         return None
     block, code = word >> 8, word & 0xFF
     return f"block {block}: {_ERRORS.get(code, f'error {code}')}"
 
 
-def raise_on_error(err) -> None:
-    """Reads the device error word (a host sync) and raises FrameError if it is set."""
-    msg = error_message(int(err.item()))
+def first_error(errors) -> str | None:
+    """The lowest failing block's message from a decoder's per-block error words (a CUDA
+    tensor: one reduction and one host sync), or None when every block decoded clean."""
+    if errors.numel() == 0:
+        return None
+    return error_message(int(errors.min().item()))
+
+
+def raise_on_error(errors) -> None:
+    """Raises FrameError if any block of the decode failed (a host sync)."""
+    msg = first_error(errors)
     if msg is not None:
         raise FrameError(f"corrupt uzip frame: {msg}")
 

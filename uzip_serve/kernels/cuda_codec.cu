@@ -51,6 +51,7 @@ typedef unsigned long long u64;
 #define HDR_BYTES 2304     /* the encoder's block header (mode, plane headers, ends) */
 #define RUNS_BYTES 5120    /* the encoder's per-lane code bits (EncShared::runs) */
 #define ALIGN 16
+#define FUSE_HASH_MAX_BLOCK 8192 /* blocks up to this hash their HUFF data as it is written */
 #define UZH_LENGTH_MUL 0x9E3779B97F4A7C15ull
 #define LOOKBACK_AGG (1ull << 62)   /* a block's own payload size is published */
 #define LOOKBACK_INCL (2ull << 62)  /* the sum of sizes up to and including it is published */
@@ -88,8 +89,13 @@ __device__ unsigned long long uz_phase_cycles[2][16];
 #endif
 
 __device__ __forceinline__ u32 align16(u32 x) { return (x + ALIGN - 1) & ~(u32)(ALIGN - 1); }
+/* Decoder errors: one word per codec block, (block << 8) | code, the lowest code if several;
+ * UZ_CLEAN when the block decoded clean. The block's thread 0 writes UZ_CLEAN into its own word
+ * before any thread of the block can report, so the launcher fills nothing beforehand (a fill
+ * is a graph node: about 1.4 us of GPU time on an H100, docs/gpu.md round 11). */
+#define UZ_CLEAN 0x7FFFFFFFFFFFFFFFull
 __device__ __forceinline__ void report(u64 *err, u32 block, u32 code) {
-    atomicMin(err, ((u64)block << 8) | code);
+    atomicMin(&err[block], ((u64)block << 8) | code);
 }
 __device__ __forceinline__ u32 lanemask_lt() { return (1u << (threadIdx.x & 31)) - 1u; }
 
@@ -871,20 +877,40 @@ __device__ void encode_substream(const u8 *E, u32 s0, u32 cnt, u32 bits, const C
 /* Copies a warp buffer's first nbytes bytes to dst, which may start at any byte: the aligned
  * words of dst inside the range as whole words (a funnel shift of two buffer words each), the
  * partial words at either end byte by byte, because the sub-streams before and after (other
- * warps) share them. A byte per lane was 7% of the encoder's instructions. */
-__device__ __forceinline__ void copy_substream(const u32 *wb32, u8 *dst, u32 nbytes) {
+ * warps) share them. A byte per lane was 7% of the encoder's instructions.
+ *
+ * With HASH, returns this lane's share of the payload hash of the bytes it stored (dst_off:
+ * dst's offset in the payload). UZH64 is a sum of word x key terms, and sub-streams share no
+ * byte, so the shares of the streams that meet in one word add up to that word's term: the
+ * section needs no second pass over global memory. That pass is a barrier and a round trip to
+ * L2, which a small block's latency feels (1 MiB: -0.6 us); at 65536-element blocks the
+ * writer's extra key per word cost more than the pass (64 MiB: +2%), so those keep the pass. */
+template <bool HASH>
+__device__ __forceinline__ u64 copy_substream(const u32 *wb32, u8 *dst, u32 dst_off, u32 nbytes) {
     const u32 lane = threadIdx.x & 31;
-    const u32 lead = (4u - (u32)((u64)dst & 3u)) & 3u; /* bytes before dst's first aligned word */
+    const u32 lead = (4u - (dst_off & 3u)) & 3u; /* bytes before dst's first aligned word */
     const u32 head = lead < nbytes ? lead : nbytes;
     const u32 nw = (nbytes - head) / 4, tail = head + 4 * nw;
     const u8 *src = (const u8 *)wb32;
-    if (lane < head) dst[lane] = src[lane];
-    if (lane < nbytes - tail) dst[tail + lane] = src[tail + lane];
+    u64 h = 0;
+    if (lane < head) {
+        const u32 at = dst_off + lane;
+        dst[lane] = src[lane];
+        if (HASH) h += uzh_word((u32)src[lane] << (8 * (at & 3)), at & ~3u);
+    }
+    if (lane < nbytes - tail) {
+        const u32 at = dst_off + tail + lane;
+        dst[tail + lane] = src[tail + lane];
+        if (HASH) h += uzh_word((u32)src[tail + lane] << (8 * (at & 3)), at & ~3u);
+    }
     u32 *dw = (u32 *)(dst + head);
     for (u32 i = lane; i < nw; i += 32) {
         const u32 r = head + 4 * i; /* the word's first byte in the buffer */
-        dw[i] = __funnelshift_r(wb32[r >> 2], wb32[(r >> 2) + 1], 8 * (r & 3));
+        const u32 w = __funnelshift_r(wb32[r >> 2], wb32[(r >> 2) + 1], 8 * (r & 3));
+        dw[i] = w;
+        if (HASH) h += uzh_word(w, dst_off + r);
     }
+    return h;
 }
 
 /* One codec block per CUDA block (docs/gpu.md, "Encoder"). Shared memory: the entropy
@@ -1142,6 +1168,7 @@ __device__ void enc_block(const u8 *src, u64 numel, u32 be, u32 S, u8 *out, u64 
         PHASE(0, 7);
         if (huff) { /* a warp per sub-stream, each copied out whole */
             u8 *sec = dst + sm.data_off[hp];
+            const bool fuse_hash = be <= FUSE_HASH_MAX_BLOCK;
             u32 *wb32 = (u32 *)(wbufs + warp * WBUF_BYTES);
             for (u32 j = warp; j < k; j += NW) {
                 u32 start = sm.sbytes[j], stop = j + 1 < k ? sm.sbytes[j + 1] : sm.huff_total;
@@ -1150,14 +1177,19 @@ __device__ void enc_block(const u8 *src, u64 numel, u32 be, u32 S, u8 *out, u64 
                 u32 bits = !keep_runs ? run_bits(E, s0, cnt, ct.len)
                            : wide_runs ? ((const u16 *)sm.runs)[32 * j + lane] : sm.runs[32 * j + lane];
                 encode_substream(E, s0, cnt, bits, ct, wb32);
-                copy_substream(wb32, sec + start, stop - start);
+                if (fuse_hash)
+                    h_pay += copy_substream<true>(wb32, sec + start, sm.data_off[hp] + start, stop - start);
+                else
+                    copy_substream<false>(wb32, sec + start, sm.data_off[hp] + start, stop - start);
                 __syncwarp();
             }
-            for (u32 i = sm.huff_total + tid; i < align16(sm.huff_total); i += NT) sec[i] = 0;
-            __syncthreads();
+            for (u32 i = sm.huff_total + tid; i < align16(sm.huff_total); i += NT) sec[i] = 0; /* hashes to 0 */
             PHASE(0, 8);
-            for (u32 u = tid; u < align16(sm.huff_total) / 16; u += NT)
-                h_pay += uzh_chunk(*(const uint4 *)(sec + 16 * u), (sm.data_off[hp] >> 4) + u);
+            if (!fuse_hash) {
+                __syncthreads();
+                for (u32 u = tid; u < align16(sm.huff_total) / 16; u += NT)
+                    h_pay += uzh_chunk(*(const uint4 *)(sec + 16 * u), (sm.data_off[hp] >> 4) + u);
+            }
         }
     }
 
@@ -1223,6 +1255,7 @@ __device__ void dec_block_fast(const u8 *frame, u64 payload_off, u64 payload_len
     PHASE_START();
 
     if (tid == 0) {
+        err[b] = UZ_CLEAN; /* before the barrier below, after which any thread may report */
         u32 code = read_entry(frame, table_off, payload_len, b, nblocks, &sm.start, &sm.len, &sm.hash_orig,
                               &sm.hash_payload);
         sm.bad = code;
@@ -1412,6 +1445,7 @@ __device__ void dec_block_general(const u8 *frame, u64 payload_off, u64 payload_
         u8 *dst = out + first * L::ITEM;
         __syncthreads(); /* sm is reused across blocks */
         if (tid == 0) {
+            err[b] = UZ_CLEAN; /* before the barrier below, after which any thread may report */
             u32 code = read_entry(frame, table_off, payload_len, b, nblocks, &sm.start, &sm.len, &sm.hash_orig,
                                   &sm.hash_payload);
             sm.bad = code;
