@@ -417,6 +417,9 @@ def main(argv=None):
             print("nvCOMP unavailable:", e)
     only = [o for o in args.only.split(",") if o]
     results = []
+    stamp = machine()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     for name, src in base.items():
         if only and name not in only:
             continue
@@ -442,12 +445,10 @@ def main(argv=None):
                     row["nvcomp-ANS-256K-batched"] = {"error": repr(e)[:200]}
             results.append(row)
             report(row)
+            # after every row: a run cut short by its time limit still leaves what it measured
+            (out / "codec_gpu.json").write_text(json.dumps({"machine": stamp, "results": results}, indent=1))
             del xs, x0
             torch.cuda.empty_cache()
-    stamp = machine()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "codec_gpu.json").write_text(json.dumps({"machine": stamp, "results": results}, indent=1))
     try:
         plot(results, stamp, out)
     except Exception as e:  # noqa: BLE001
