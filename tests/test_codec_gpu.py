@@ -157,11 +157,12 @@ def test_small_tensors_take_small_blocks(gpu):
 
 
 def test_substream_length_follows_tensor_size(monkeypatch):
-    """128 symbols per sub-stream in the smallest blocks, 256 up to 8 MiB, then 512; the
-    environment override wins and is checked."""
+    """128 symbols per sub-stream in blocks of up to 8192 elements, 256 up to 8 MiB, then 512;
+    the environment override wins and is checked."""
     monkeypatch.delenv("UZIP_GPU_SUBSTREAM", raising=False)
-    for nbytes, want in ((2, 128), (1 << 20, 128), (4 << 20, 256), (8 << 20, 512), (1 << 30, 512)):
-        be = fmt.small_block_elems(nbytes // 2)
+    for nbytes, itemsize, want in ((2, 2, 128), (1 << 20, 2, 128), (6 << 20, 2, 128), (6 << 20, 1, 256),
+                                   (8 << 20, 2, 512), (1 << 30, 2, 512)):
+        be = fmt.small_block_elems(nbytes // itemsize)
         assert kc.encoder_substream(nbytes, be) == want, (nbytes, be)
     monkeypatch.setenv("UZIP_GPU_SUBSTREAM", "1024")
     assert kc.encoder_substream(1 << 20, 4096) == 1024

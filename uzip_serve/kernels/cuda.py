@@ -102,11 +102,12 @@ def encoder_substream(nbytes: int, block_elems: int) -> int:
         return s
     if nbytes >= 8 << 20:
         return 512
-    if block_elems <= fmt.SMALL_BLOCK_ELEMS:
-        # the smallest blocks (tensors under 2M elements): a frame is about one wave of blocks,
-        # so one decode chain is the decoder's latency. 128 against 256 at 1 MiB bf16 (H100,
-        # round 11, GPU time in a graph): compress + decompress 35.2 against 36.7 us on
-        # N(0, 0.02), 47.7 against 53.7 us on Gemma-3 weights, for 0.5-0.7% more bytes
+    if block_elems <= 2 * fmt.SMALL_BLOCK_ELEMS:
+        # the small blocks (tensors under 4M elements): a frame is about one wave of blocks,
+        # so one decode chain is the decoder's latency. 128 against 256 (H100, round 11, GPU
+        # time in a graph, compress + decompress): 1 MiB bf16 34.5 against 35.6 us on
+        # N(0, 0.02) and 47.2 against 52.8 us on Gemma-3 weights; 4 MiB (8192-element blocks)
+        # 44.8 against 49.1-49.8 us; for 0.5-0.7% more bytes
         return 128
     return 256
 

@@ -825,17 +825,18 @@ __device__ __forceinline__ void put_bits(u32 code, u32 len, u64 &acc, u32 &nacc,
     put_bits(((ta) & 0xFFFFu) | (((tb) & 0xFFFFu) << ((ta) >> 16)), ((ta) >> 16) + ((tb) >> 16), acc, nacc, wb32, \
              wi, head, started)
 
-/* Encodes the symbols [s0, s0 + cnt) of each lane of a warp, `bits` code bits, as one
- * sub-stream (LSB first, as cpu_codec.c's encode_stream) into the warp's buffer: lanes take
- * consecutive runs and a warp scan of their bit counts places each run. Only the words two
- * lanes share (each run's first and last) need zeroing first; every other word is stored
- * whole by the lane that owns it. */
-__device__ void encode_substream(const u8 *E, u32 s0, u32 cnt, u32 bits, const CodeTables &ct, u32 *wb32) {
-    const int lane = threadIdx.x & 31;
+/* Encodes the symbols [s0, s0 + cnt) of each lane of a group of G lanes (a warp, or half of
+ * one), `bits` code bits, as one sub-stream (LSB first, as cpu_codec.c's encode_stream) into
+ * the group's buffer: lanes take consecutive runs and a scan of their bit counts over the
+ * group places each run. Only the words two lanes share (each run's first and last) need
+ * zeroing first; every other word is stored whole by the lane that owns it. All 32 lanes of
+ * the warp call it together (a group with no sub-stream passes cnt = bits = 0). */
+__device__ void encode_substream(const u8 *E, u32 s0, u32 cnt, u32 bits, const CodeTables &ct, u32 *wb32, u32 G) {
+    const u32 gl = threadIdx.x & (G - 1);
     u32 incl = bits;
-    for (int o = 1; o < 32; o <<= 1) {
-        u32 t = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += t;
+    for (u32 o = 1; o < G; o <<= 1) {
+        u32 t = __shfl_up_sync(0xffffffffu, incl, o, G);
+        if (gl >= o) incl += t;
     }
     const u32 off = incl - bits;
     wb32[off >> 5] = 0;
@@ -886,8 +887,8 @@ __device__ void encode_substream(const u8 *E, u32 s0, u32 cnt, u32 bits, const C
  * L2, which a small block's latency feels (1 MiB: -0.6 us); at 65536-element blocks the
  * writer's extra key per word cost more than the pass (64 MiB: +2%), so those keep the pass. */
 template <bool HASH>
-__device__ __forceinline__ u64 copy_substream(const u32 *wb32, u8 *dst, u32 dst_off, u32 nbytes) {
-    const u32 lane = threadIdx.x & 31;
+__device__ __forceinline__ u64 copy_substream(const u32 *wb32, u8 *dst, u32 dst_off, u32 nbytes, u32 G) {
+    const u32 lane = threadIdx.x & (G - 1); /* the lane within its group of G */
     const u32 lead = (4u - (dst_off & 3u)) & 3u; /* bytes before dst's first aligned word */
     const u32 head = lead < nbytes ? lead : nbytes;
     const u32 nw = (nbytes - head) / 4, tail = head + 4 * nw;
@@ -904,7 +905,7 @@ __device__ __forceinline__ u64 copy_substream(const u32 *wb32, u8 *dst, u32 dst_
         if (HASH) h += uzh_word((u32)src[tail + lane] << (8 * (at & 3)), at & ~3u);
     }
     u32 *dw = (u32 *)(dst + head);
-    for (u32 i = lane; i < nw; i += 32) {
+    for (u32 i = lane; i < nw; i += G) {
         const u32 r = head + 4 * i; /* the word's first byte in the buffer */
         const u32 w = __funnelshift_r(wb32[r >> 2], wb32[(r >> 2) + 1], 8 * (r & 3));
         dw[i] = w;
@@ -1058,18 +1059,25 @@ __device__ void enc_block(const u8 *src, u64 numel, u32 be, u32 S, u8 *out, u64 
     const u32 pmode = sm.plane_mode, k = sm.k;
     /* a warp per sub-stream, a lane per run of S / 32 symbols, as the writer will place them;
      * each run's bits are kept for the writer when they fit (always at the default sizes) */
-    const u32 per = S / 32;
+    /* Sub-streams of 128 symbols or fewer go to half warps, two at once per warp: a lane's
+     * run stays at 8 symbols (the writer's fast path), and a small block's 32 sub-streams
+     * take one round of 16 warps, not two (round 11). */
+    const u32 G = S <= 128 ? 16u : 32u, spw = 32 / G, gl = lane & (G - 1), sub = lane / G;
+    const u32 per = S / G;
     const bool wide_runs = per * MAX_CODE_LEN > 0xFF;
     const bool keep_runs = k * 32u * (wide_runs ? 2u : 1u) <= RUNS_BYTES;
     if (pmode == PLANE_HUFF) {
-        for (u32 j = warp; j < k; j += NW) {
-            const u32 s0 = j * S + lane * per;
-            const u32 cnt = s0 < n ? (n - s0 < per ? n - s0 : per) : 0u;
+        for (u32 j0 = warp * spw; j0 < k; j0 += NW * spw) {
+            const u32 j = j0 + sub, s0 = j * S + gl * per;
+            const u32 cnt = j < k && s0 < n ? (n - s0 < per ? n - s0 : per) : 0u;
             u32 bits = run_bits(E, s0, cnt, ct.len);
-            if (keep_runs && wide_runs) ((u16 *)sm.runs)[32 * j + lane] = (u16)bits;
-            if (keep_runs && !wide_runs) sm.runs[32 * j + lane] = (u8)bits;
-            bits = __reduce_add_sync(0xffffffffu, bits);
-            if (lane == 0) sm.sbytes[j] = (bits + 7) / 8;
+            if (j < k && keep_runs && wide_runs) ((u16 *)sm.runs)[32 * j + gl] = (u16)bits;
+            if (j < k && keep_runs && !wide_runs) sm.runs[32 * j + gl] = (u8)bits;
+            if (G == 32)
+                bits = __reduce_add_sync(0xffffffffu, bits);
+            else
+                for (u32 o = G / 2; o; o >>= 1) bits += __shfl_xor_sync(0xffffffffu, bits, o);
+            if (gl == 0 && j < k) sm.sbytes[j] = (bits + 7) / 8;
         }
         __syncthreads();
         u32 total = block_scan(sm.sbytes, k, sm.wsum);
@@ -1169,18 +1177,22 @@ __device__ void enc_block(const u8 *src, u64 numel, u32 be, u32 S, u8 *out, u64 
         if (huff) { /* a warp per sub-stream, each copied out whole */
             u8 *sec = dst + sm.data_off[hp];
             const bool fuse_hash = be <= FUSE_HASH_MAX_BLOCK;
-            u32 *wb32 = (u32 *)(wbufs + warp * WBUF_BYTES);
-            for (u32 j = warp; j < k; j += NW) {
-                u32 start = sm.sbytes[j], stop = j + 1 < k ? sm.sbytes[j + 1] : sm.huff_total;
-                u32 s0 = j * S + lane * per;
-                u32 cnt = s0 < n ? (n - s0 < per ? n - s0 : per) : 0u;
-                u32 bits = !keep_runs ? run_bits(E, s0, cnt, ct.len)
-                           : wide_runs ? ((const u16 *)sm.runs)[32 * j + lane] : sm.runs[32 * j + lane];
-                encode_substream(E, s0, cnt, bits, ct, wb32);
+            /* a half warp's buffer is half the warp's: at most 128 x 11 bits, 44 words */
+            u32 *wb32 = (u32 *)(wbufs + warp * WBUF_BYTES) + sub * (WBUF_BYTES / 8);
+            for (u32 j0 = warp * spw; j0 < k; j0 += NW * spw) {
+                const u32 j = j0 + sub;
+                const bool live = j < k; /* a half warp past the last sub-stream writes nothing */
+                u32 start = live ? sm.sbytes[j] : 0u, stop = !live ? 0u : j + 1 < k ? sm.sbytes[j + 1] : sm.huff_total;
+                u32 s0 = j * S + gl * per;
+                u32 cnt = live && s0 < n ? (n - s0 < per ? n - s0 : per) : 0u;
+                u32 bits = !live       ? 0u
+                           : !keep_runs ? run_bits(E, s0, cnt, ct.len)
+                           : wide_runs  ? ((const u16 *)sm.runs)[32 * j + gl] : sm.runs[32 * j + gl];
+                encode_substream(E, s0, cnt, bits, ct, wb32, G);
                 if (fuse_hash)
-                    h_pay += copy_substream<true>(wb32, sec + start, sm.data_off[hp] + start, stop - start);
+                    h_pay += copy_substream<true>(wb32, sec + start, sm.data_off[hp] + start, stop - start, G);
                 else
-                    copy_substream<false>(wb32, sec + start, sm.data_off[hp] + start, stop - start);
+                    copy_substream<false>(wb32, sec + start, sm.data_off[hp] + start, stop - start, G);
                 __syncwarp();
             }
             for (u32 i = sm.huff_total + tid; i < align16(sm.huff_total); i += NT) sec[i] = 0; /* hashes to 0 */
