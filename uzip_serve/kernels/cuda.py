@@ -17,6 +17,7 @@ Host synchronization points (docs/gpu.md):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import struct
@@ -368,7 +369,9 @@ class CudaCodec:
                 t_.record_stream(stream)
         if not check:
             return out, err
-        raise_on_error(err)
+        # the reduction over the error words runs on the decoder's stream, after the kernel
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            raise_on_error(err)
         return out
 
     def hash_segments(self, data, seg: int, *, stream=None):
