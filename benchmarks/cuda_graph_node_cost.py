@@ -13,8 +13,9 @@ import torch
 from benchmarks.codec_gpu import gpu_time_ms, time_ms
 
 
-def graph(n_fill: int, n_k: int) -> "torch.cuda.CUDAGraph":
-    """A graph of n_fill fills and n_k small kernels."""
+def graph(n_fill: int, n_k: int) -> tuple:
+    """A graph of n_fill fills and n_k small kernels, and the buffers it writes (which must
+    live as long as it is replayed)."""
     s = torch.cuda.Stream()
     bufs = [torch.empty(130, dtype=torch.int64, device="cuda") for _ in range(n_fill)]
     x = torch.empty(1 << 10, device="cuda")
@@ -31,15 +32,14 @@ def graph(n_fill: int, n_k: int) -> "torch.cuda.CUDAGraph":
             b.zero_()
         for _ in range(n_k):
             x.add_(1)
-    g._keep = (bufs, x)  # the graph's buffers live as long as it does
-    return g
+    return g, (bufs, x)
 
 
 if __name__ == "__main__":
     torch.cuda.init()
     print(torch.cuda.get_device_name())
     for nf, nk in [(0, 1), (1, 1), (2, 1), (0, 2), (2, 2), (0, 4)]:
-        g = graph(nf, nk)
+        g, _buffers = graph(nf, nk)
         paced = time_ms(lambda r: g.replay(), 200, warmup=3) * 1e3
         gpu, queued = gpu_time_ms(lambda r: g.replay(), 200, warmup=3)
         print(f"fills={nf} kernels={nk}: host-paced {paced:.1f} us, GPU time {gpu * 1e3:.1f} us (queued={queued})")

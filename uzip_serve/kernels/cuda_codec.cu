@@ -914,6 +914,12 @@ __device__ __forceinline__ u64 copy_substream(const u32 *wb32, u8 *dst, u32 dst_
     return h;
 }
 
+/* Symbols in a lane's run that starts at s0: up to `per`, none past the block's n or for a
+ * group of lanes with no sub-stream left (!live). */
+__device__ __forceinline__ u32 run_count(bool live, u32 s0, u32 n, u32 per) {
+    return live && s0 < n ? (n - s0 < per ? n - s0 : per) : 0u;
+}
+
 /* One codec block per CUDA block (docs/gpu.md, "Encoder"). Shared memory: the entropy
  * plane's symbols (block_elems bytes), NW warp buffers (the histogram's per-lane counters
  * first), then EncShared; cuda.py computes the size. */
@@ -1057,19 +1063,18 @@ __device__ void enc_block(const u8 *src, u64 numel, u32 be, u32 S, u8 *out, u64 
     }
     __syncthreads();
     const u32 pmode = sm.plane_mode, k = sm.k;
-    /* a warp per sub-stream, a lane per run of S / 32 symbols, as the writer will place them;
-     * each run's bits are kept for the writer when they fit (always at the default sizes) */
-    /* Sub-streams of 128 symbols or fewer go to half warps, two at once per warp: a lane's
-     * run stays at 8 symbols (the writer's fast path), and a small block's 32 sub-streams
-     * take one round of 16 warps, not two (round 11). */
+    /* a group of G lanes per sub-stream, a lane per run of S / G symbols, as the writer will
+     * place them; each run's bits are kept for the writer when they fit (always at the default
+     * sizes). G is a warp, or a half warp for sub-streams of 128 symbols or fewer: a lane's run
+     * stays at 8 symbols (the writer's fast path), and a small block's 32 sub-streams take one
+     * round of 16 warps, not two (round 11). */
     const u32 G = S <= 128 ? 16u : 32u, spw = 32 / G, gl = lane & (G - 1), sub = lane / G;
     const u32 per = S / G;
     const bool wide_runs = per * MAX_CODE_LEN > 0xFF;
     const bool keep_runs = k * 32u * (wide_runs ? 2u : 1u) <= RUNS_BYTES;
     if (pmode == PLANE_HUFF) {
         for (u32 j0 = warp * spw; j0 < k; j0 += NW * spw) {
-            const u32 j = j0 + sub, s0 = j * S + gl * per;
-            const u32 cnt = j < k && s0 < n ? (n - s0 < per ? n - s0 : per) : 0u;
+            const u32 j = j0 + sub, s0 = j * S + gl * per, cnt = run_count(j < k, s0, n, per);
             u32 bits = run_bits(E, s0, cnt, ct.len);
             if (j < k && keep_runs && wide_runs) ((u16 *)sm.runs)[32 * j + gl] = (u16)bits;
             if (j < k && keep_runs && !wide_runs) sm.runs[32 * j + gl] = (u8)bits;
@@ -1174,7 +1179,7 @@ __device__ void enc_block(const u8 *src, u64 numel, u32 be, u32 S, u8 *out, u64 
             }
         }
         PHASE(0, 7);
-        if (huff) { /* a warp per sub-stream, each copied out whole */
+        if (huff) { /* a group of G lanes per sub-stream, each copied out whole */
             u8 *sec = dst + sm.data_off[hp];
             const bool fuse_hash = be <= FUSE_HASH_MAX_BLOCK;
             /* a half warp's buffer is half the warp's: at most 128 x 11 bits, 44 words */
@@ -1183,8 +1188,7 @@ __device__ void enc_block(const u8 *src, u64 numel, u32 be, u32 S, u8 *out, u64 
                 const u32 j = j0 + sub;
                 const bool live = j < k; /* a half warp past the last sub-stream writes nothing */
                 u32 start = live ? sm.sbytes[j] : 0u, stop = !live ? 0u : j + 1 < k ? sm.sbytes[j + 1] : sm.huff_total;
-                u32 s0 = j * S + gl * per;
-                u32 cnt = live && s0 < n ? (n - s0 < per ? n - s0 : per) : 0u;
+                const u32 s0 = j * S + gl * per, cnt = run_count(live, s0, n, per);
                 u32 bits = !live       ? 0u
                            : !keep_runs ? run_bits(E, s0, cnt, ct.len)
                            : wide_runs  ? ((const u16 *)sm.runs)[32 * j + gl] : sm.runs[32 * j + gl];
