@@ -172,11 +172,11 @@ def test_substream_length_follows_tensor_size(monkeypatch):
 
 
 def test_lookback_over_many_windows(gpu, monkeypatch):
-    """71 blocks: the encoder's look-back reads its predecessors 32 at a time and must cross
-    window boundaries. A block size under the default bound needs a buffer sized for it; the
-    default-sized buffer is refused."""
+    """201 blocks: the encoder's look-back reads its predecessors 128 at a time (4 windows of
+    32) and must cross rounds and windows. A block size under the default bound needs a buffer
+    sized for it; the default-sized buffer is refused."""
     monkeypatch.setenv("UZIP_GPU_BLOCK_ELEMS", "256")
-    x = random_tensor(torch.bfloat16, 256 * 70 + 5, seed=6, kind="normal").to(gpu.dev)
+    x = random_tensor(torch.bfloat16, 256 * 200 + 5, seed=6, kind="normal").to(gpu.dev)
     small = torch.empty(uz.max_compressed_size(x.nbytes, x.dtype), dtype=torch.uint8, device=gpu.dev)
     with pytest.raises(ValueError, match="at least"):
         gpu.codec.compress_device(x, small)
@@ -184,9 +184,44 @@ def test_lookback_over_many_windows(gpu, monkeypatch):
                       device=gpu.dev)
     n = gpu.codec.compress_device(x, out)
     frame = out[:n].cpu().numpy().tobytes()
-    assert uz.read_header(frame).num_blocks == 71
+    assert uz.read_header(frame).num_blocks == 201
     assert torch.equal(bits(uz.decompress(frame)), bits(x))
     assert torch.equal(bits(gpu.decompress(frame)), bits(x))
+
+
+def bf16_with_exponent_counts(counts, seed=0):
+    """A bf16 tensor whose exponent byte 100 + i occurs counts[i] times (shuffled), random
+    sign and mantissa: a chosen histogram for the entropy-coded plane."""
+    g = torch.Generator().manual_seed(seed)
+    e = torch.cat([torch.full((c,), 100 + i, dtype=torch.int32) for i, c in enumerate(counts)])
+    e = e[torch.randperm(len(e), generator=g)]
+    low = torch.randint(0, 256, (len(e),), generator=g, dtype=torch.int32)
+    return ((e << 7) | (low & 0x7F) | ((low & 0x80) << 8)).to(torch.int16).view(torch.bfloat16)
+
+
+def huff_lengths(frame) -> list[int]:
+    """The code lengths in block 0's entropy-plane header (a DENSE block, HUFF plane first)."""
+    h = uz.read_header(frame)
+    blk = frame[h.payload_offset:]
+    assert (blk[0], blk[1]) == (1, 2), "block 0 is not DENSE with a HUFF first plane"
+    span = blk[3]
+    return [(blk[4 + i // 2] >> (4 * (i & 1))) & 15 for i in range(span + 1)]
+
+
+FIB = [1, 1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144, 233, 377, 610, 987]  # depth 15
+
+
+@pytest.mark.parametrize("counts", [FIB[:16], FIB[:16] + [1500], [1] * 20 + [2000, 1500], [1] * 31 + [3000],
+                                    [1] * 32 + [3000], [2 ** i for i in range(12)], [5] * 32, [1, 4000]],
+                         ids=["fib16", "fib17", "n22", "n32", "n33", "pow2", "flat32", "n2"])
+def test_code_lengths_match_the_cpu(gpu, counts):
+    """Huffman trees deeper than MAX_CODE_LEN (the length-limiting repair), on both sides of
+    the 32-symbol switch between the one-warp and the block-wide length builders: the GPU's
+    code lengths are the CPU's, symbol for symbol (one block, so the same histogram)."""
+    x = bf16_with_exponent_counts(counts)
+    assert x.numel() <= fmt.SMALL_BLOCK_ELEMS
+    gframe, _ = check_both_ways(gpu, x)
+    assert huff_lengths(gframe) == huff_lengths(bytes(uz.compress(x)))
 
 
 @pytest.mark.parametrize("block,sub", [(65536, 64), (65536, 256), (65536, 1024), (4096, 128), (4096, 1024)])

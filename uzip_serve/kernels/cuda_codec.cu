@@ -56,6 +56,7 @@ typedef unsigned long long u64;
 #define LOOKBACK_AGG (1ull << 62)   /* a block's own payload size is published */
 #define LOOKBACK_INCL (2ull << 62)  /* the sum of sizes up to and including it is published */
 #define LOOKBACK_VALUE ((1ull << 62) - 1)
+#define LOOKBACK_LOADS 4            /* status words each lane of the look-back reads per round */
 
 enum { BLOCK_RAW = 0, BLOCK_DENSE = 1, BLOCK_SPARSE = 2 };
 enum { PLANE_RAW = 0, PLANE_CONST = 1, PLANE_HUFF = 2 };
@@ -318,15 +319,131 @@ struct CodeTables {
     u32 tab[256];      /* encoder: bit-reversed code | length << 16 */
     u16 ccnt[8][MAX_CODE_LEN + 1]; /* symbols of each length in each chunk of 32 symbols */
     u8 len[256];
-    u8 rank[256];      /* a symbol's rank among those of its length, by value */
     u8 sym_at[256];    /* symbols in canonical order: by length, then value */
 };
 
+/* The canonical first code and the 11-bit window limit of every length, and each length's
+ * offset in canonical order, into ct (with lcount[]). A whole warp calls it: lane m
+ * (1 <= m <= MAX_CODE_LEN) passes the number of codes of length m, every other lane 0. Returns
+ * the Kraft sum in units of 2^-MAX_CODE_LEN (over LUT_SIZE: the lengths over-subscribe the code
+ * space, which only a hostile frame's do). first[l] = (first[l-1] + count[l-1]) << 1 is
+ * unrolled into a sum, so every lane computes its own length's values from 11 shuffles. */
+__device__ u32 canonical_bounds(CodeTables &ct, u32 cnt) {
+    const u32 lane = threadIdx.x & 31;
+    u32 first = 0, off = 0, kraft = 0;
+    for (u32 m = 1; m <= MAX_CODE_LEN; m++) {
+        const u32 cm = __shfl_sync(0xffffffffu, cnt, m);
+        if (m < lane && lane <= MAX_CODE_LEN) {
+            first += cm << (lane - m);
+            off += cm;
+        }
+        kraft += cm << (MAX_CODE_LEN - m);
+    }
+    if (lane <= MAX_CODE_LEN) {
+        ct.lcount[lane] = cnt;
+        ct.first[lane] = first;
+        ct.limit[lane] = (first + cnt) << (MAX_CODE_LEN - lane);
+        ct.offset[lane] = off;
+    }
+    return kraft;
+}
+
+/* The Huffman tree of n >= 2 leaves with weights w[0, n) in ascending order (one thread): the
+ * two-queue merge of cpu_codec.c's build_lengths, both queue heads in registers. Internal node
+ * i (n <= i < 2n - 1) gets weight w[i]; up[] links every node to its parent, the root to
+ * itself. */
+__device__ void huffman_tree(int n, u32 *w, u16 *up) {
+    const int nodes = 2 * n - 1;
+    int leaf = 0, inode = n;
+    u32 lw = w[0], iw = 0; /* weights of the next leaf and of the next internal node */
+    for (int next = n; next < nodes; next++) {
+        u32 pick_w[2];
+        int pick[2];
+        for (int t = 0; t < 2; t++) {
+            if (leaf < n && (inode >= next || lw <= iw)) {
+                pick[t] = leaf;
+                pick_w[t] = lw;
+                leaf++;
+                lw = leaf < n ? w[leaf] : 0u;
+            } else {
+                pick[t] = inode;
+                pick_w[t] = iw;
+                inode++;
+                iw = inode < next ? w[inode] : 0u;
+            }
+        }
+        u32 sum = pick_w[0] + pick_w[1];
+        w[next] = sum;
+        up[pick[0]] = up[pick[1]] = (u16)next;
+        if (inode == next) iw = sum;
+    }
+    up[nodes - 1] = (u16)(nodes - 1);
+}
+
+/* build_lengths (below) for n <= 32 used symbols, in warp 0 alone and with no block barrier:
+ * the same lengths. The tree's 2n - 1 <= 63 nodes live two per lane (node i in lane i & 31),
+ * so the pointer doubling gathers with shuffles; the per-length counts come from ballots and
+ * the length-limiting repair runs on them in registers (lane m holds count[m]). Exponent
+ * planes of real tensors use 12-40 symbols. The caller syncs the block after it. */
+__device__ void build_lengths_warp(CodeTables &ct, int n, u32 *w, u16 *up) {
+    const u32 FULL = 0xffffffffu, lane = threadIdx.x & 31;
+    const u32 nodes = 2 * n - 1, root = 2 * n - 2, i1 = lane + 32;
+    if (lane < (u32)n) w[lane] = ct.keys[lane] >> 8;
+    __syncwarp();
+    if (lane == 0) huffman_tree(n, w, up);
+    __syncwarp();
+    /* depth = hops to the root: d += d[a], a = a[a], until every node points at the root */
+    u32 d0 = lane < nodes && lane != root ? 1u : 0u, a0 = lane < nodes ? up[lane] : root;
+    u32 d1 = i1 < nodes && i1 != root ? 1u : 0u, a1 = i1 < nodes ? up[i1] : root;
+    while (__any_sync(FULL, a0 != root || a1 != root)) {
+        const u32 x0 = __shfl_sync(FULL, d0, a0 & 31), y0 = __shfl_sync(FULL, d1, a0 & 31);
+        const u32 p0 = __shfl_sync(FULL, a0, a0 & 31), q0 = __shfl_sync(FULL, a1, a0 & 31);
+        const u32 x1 = __shfl_sync(FULL, d0, a1 & 31), y1 = __shfl_sync(FULL, d1, a1 & 31);
+        const u32 p1 = __shfl_sync(FULL, a0, a1 & 31), q1 = __shfl_sync(FULL, a1, a1 & 31);
+        d0 += a0 < 32 ? x0 : y0;
+        a0 = a0 < 32 ? p0 : q0;
+        d1 += a1 < 32 ? x1 : y1;
+        a1 = a1 < 32 ? p1 : q1;
+    }
+    /* leaves are nodes 0..n-1; lengths over the limit count as the limit, then the repair */
+    const u32 dc = lane < (u32)n ? (d0 < MAX_CODE_LEN ? d0 : MAX_CODE_LEN) : 0u;
+    u32 cnt = 0;
+#pragma unroll
+    for (u32 m = 1; m <= MAX_CODE_LEN; m++) {
+        const u32 c = __popc(__ballot_sync(FULL, dc == m));
+        cnt = lane == m ? c : cnt;
+    }
+    u32 kraft = __reduce_add_sync(FULL, lane >= 1 && lane <= MAX_CODE_LEN ? cnt << (MAX_CODE_LEN - lane) : 0u);
+    for (; kraft > LUT_SIZE; kraft--) {
+        cnt -= lane == MAX_CODE_LEN ? 1u : 0u;
+        const u32 m = __ballot_sync(FULL, lane >= 1 && lane < MAX_CODE_LEN && cnt != 0);
+        if (m) {
+            const u32 l = 31 - __clz(m); /* the longest length below the limit still used */
+            cnt += lane == l ? 0xFFFFFFFFu : lane == l + 1 ? 2u : 0u;
+        }
+    }
+    canonical_bounds(ct, cnt);
+    /* the least frequent symbols (front of keys) take the longest codes: leaf i's length is
+     * the longest l with i < count[l] + ... + count[MAX_CODE_LEN], else 1 */
+    u32 l = 1, above = 0;
+    bool found = false;
+    for (u32 m = MAX_CODE_LEN; m >= 2; m--) {
+        above += __shfl_sync(FULL, cnt, m);
+        if (!found && lane < above) {
+            l = m;
+            found = true;
+        }
+    }
+    if (lane < (u32)n) ct.len[ct.keys[lane] & 0xFF] = (u8)l;
+}
+
 /* Code lengths for a histogram with n >= 2 used symbols, none longer than MAX_CODE_LEN: the
  * algorithm of cpu_codec.c's build_lengths (two-queue Huffman over leaves sorted by count,
- * then deflate's length-limiting repair), so the same lengths. Call with all NT threads;
- * keys[] holds the n used symbols sorted, len[] is zero. Writes len[] and lcount[].
- *   - the merge is sequential (thread 0) but keeps both queue heads in registers;
+ * then deflate's length-limiting repair), so the same lengths. Call with all NT threads
+ * (build_lengths_warp above takes n <= 32 with one warp and no barriers);
+ * keys[] holds the n used symbols sorted, len[] is zero. Writes len[], lcount[] and the
+ * canonical bounds (first[], limit[], offset[]).
+ *   - the merge is sequential (thread 0, huffman_tree);
  *   - depths come from pointer doubling over the parent links (all threads, log2 rounds),
  *     where a sequential pass over the 2n - 1 nodes was a chain of shared-memory loads;
  *   - each leaf finds its length from the per-length counts (all threads). */
@@ -335,32 +452,7 @@ __device__ void build_lengths(CodeTables &ct, int n, u32 *w, u16 *up, u32 *depth
     for (int i = tid; i < n; i += NT) w[i] = ct.keys[i] >> 8;
     if (tid < 64) count[tid] = 0;
     __syncthreads();
-    if (tid == 0) {
-        int leaf = 0, inode = n;
-        u32 lw = w[0], iw = 0; /* weights of the next leaf and of the next internal node */
-        for (int next = n; next < nodes; next++) {
-            u32 pick_w[2];
-            int pick[2];
-            for (int t = 0; t < 2; t++) {
-                if (leaf < n && (inode >= next || lw <= iw)) {
-                    pick[t] = leaf;
-                    pick_w[t] = lw;
-                    leaf++;
-                    lw = leaf < n ? w[leaf] : 0u;
-                } else {
-                    pick[t] = inode;
-                    pick_w[t] = iw;
-                    inode++;
-                    iw = inode < next ? w[inode] : 0u;
-                }
-            }
-            u32 sum = pick_w[0] + pick_w[1];
-            w[next] = sum;
-            up[pick[0]] = up[pick[1]] = (u16)next;
-            if (inode == next) iw = sum;
-        }
-        up[root] = (u16)root;
-    }
+    if (tid == 0) huffman_tree(n, w, up);
     __syncthreads();
     u32 d = tid < nodes && tid != root ? 1u : 0u, a = tid < nodes ? up[tid] : 0u;
     if (tid < nodes) depth[tid] = d;
@@ -383,21 +475,23 @@ __device__ void build_lengths(CodeTables &ct, int n, u32 *w, u16 *up, u32 *depth
     /* lengths over the limit count as the limit; the repair below fixes the Kraft sum */
     if (tid < n) atomicAdd(&count[d < MAX_CODE_LEN ? d : MAX_CODE_LEN], 1u);
     __syncthreads();
-    if (tid == 0) {
-        u32 kraft = 0;
-        for (int l = 1; l <= MAX_CODE_LEN; l++) kraft += count[l] << (MAX_CODE_LEN - l);
-        while (kraft > LUT_SIZE) {
-            count[MAX_CODE_LEN]--;
-            for (int l = MAX_CODE_LEN - 1; l > 0; l--)
-                if (count[l]) {
-                    count[l]--;
-                    count[l + 1] += 2;
-                    break;
-                }
-            kraft--;
+    if (tid < 32) {
+        if (tid == 0) {
+            u32 kraft = 0;
+            for (int l = 1; l <= MAX_CODE_LEN; l++) kraft += count[l] << (MAX_CODE_LEN - l);
+            while (kraft > LUT_SIZE) {
+                count[MAX_CODE_LEN]--;
+                for (int l = MAX_CODE_LEN - 1; l > 0; l--)
+                    if (count[l]) {
+                        count[l]--;
+                        count[l + 1] += 2;
+                        break;
+                    }
+                kraft--;
+            }
         }
-        ct.lcount[0] = 0;
-        for (int l = 1; l <= MAX_CODE_LEN; l++) ct.lcount[l] = count[l];
+        __syncwarp();
+        canonical_bounds(ct, tid >= 1 && tid <= MAX_CODE_LEN ? count[tid] : 0u);
     }
     __syncthreads();
     /* the least frequent symbols (front of keys) take the longest codes */
@@ -409,54 +503,25 @@ __device__ void build_lengths(CodeTables &ct, int n, u32 *w, u16 *up, u32 *depth
     __syncthreads();
 }
 
-/* Per-length counts of len[] (all threads, any block size). */
-__device__ void count_lengths(CodeTables &ct) {
-    const u32 tid = threadIdx.x;
-    if (tid <= MAX_CODE_LEN) ct.lcount[tid] = 0;
-    __syncthreads();
-    for (u32 s = tid; s < 256; s += blockDim.x)
-        if (ct.len[s]) atomicAdd(&ct.lcount[ct.len[s]], 1u);
-    __syncthreads();
+/* Canonical ranks in two steps around one barrier (cpu_codec.c's assign_codes, in parallel):
+ * thread s < 256 holds symbol s, of length l (0: unused), so warp c holds the chunk of
+ * symbols [32c, 32c + 32). chunk_rank returns s's rank among the symbols of length l in its
+ * chunk and records each chunk's per-length counts in ccnt; after a barrier, rank_before adds
+ * the counts of the chunks before. The sum is s's rank among all symbols of its length by
+ * value: its code is first[l] + rank. */
+__device__ __forceinline__ u32 chunk_rank(CodeTables &ct, u32 l) {
+    const u32 lane = threadIdx.x & 31, c = threadIdx.x >> 5;
+    if (lane <= MAX_CODE_LEN) ct.ccnt[c][lane] = 0;
+    __syncwarp();
+    const u32 peers = __match_any_sync(0xffffffffu, l);
+    if (lane == __ffs(peers) - 1) ct.ccnt[c][l] = (u16)__popc(peers);
+    return __popc(peers & lanemask_lt());
 }
 
-/* From lcount[]: the canonical first code and the 11-bit window limit of every length, and
- * each length's offset in canonical order. Thread 0; returns false if the lengths
- * over-subscribe the code space (only a hostile frame does). */
-__device__ bool canonical_bounds(CodeTables &ct) {
-    ct.lcount[0] = 0;
-    u32 c = 0, kraft = 0, off = 0;
-    for (int l = 1; l <= MAX_CODE_LEN; l++) {
-        c = (c + ct.lcount[l - 1]) << 1;
-        ct.first[l] = c;
-        ct.limit[l] = (c + ct.lcount[l]) << (MAX_CODE_LEN - l);
-        ct.offset[l] = off;
-        off += ct.lcount[l];
-        kraft += ct.lcount[l] << (MAX_CODE_LEN - l);
-    }
-    return kraft <= LUT_SIZE;
-}
-
-/* ct.rank[s]: symbol s's rank among the symbols of its length in value order, i.e. its code
- * is first[len] + rank (cpu_codec.c's assign_codes, in parallel: match_any per chunk of 32
- * symbols, then the counts of the chunks before). All threads, any block size. */
-__device__ void canonical_ranks(CodeTables &ct) {
-    const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
-    for (u32 c = warp; c < 8; c += nwarps) {
-        const u32 s = 32 * c + lane, l = ct.len[s];
-        if (lane <= MAX_CODE_LEN) ct.ccnt[c][lane] = 0;
-        __syncwarp();
-        u32 peers = __match_any_sync(0xffffffffu, l);
-        ct.rank[s] = (u8)__popc(peers & lanemask_lt());
-        if (lane == __ffs(peers) - 1) ct.ccnt[c][l] = (u16)__popc(peers);
-        __syncwarp();
-    }
-    __syncthreads();
-    for (u32 s = tid; s < 256; s += blockDim.x) {
-        u32 l = ct.len[s], r = ct.rank[s];
-        for (u32 c = 0; c < s / 32; c++) r += ct.ccnt[c][l];
-        ct.rank[s] = (u8)r;
-    }
-    __syncthreads();
+__device__ __forceinline__ u32 rank_before(const CodeTables &ct, u32 l) {
+    u32 r = 0;
+    for (u32 c = 0; c < (threadIdx.x >> 5); c++) r += ct.ccnt[c][l];
+    return r;
 }
 
 /* ---- decoding tables (cpu_codec.c's build_lut) ---- */
@@ -466,45 +531,58 @@ __device__ void canonical_ranks(CodeTables &ct) {
 /* Builds the single-symbol table (symbol | length << 8, 0 = no code starts here) and the
  * decode table over 11-bit windows: up to three symbols (bits 0-23), the error flag (24),
  * the symbols yielded (25-26) and the bits consumed (27-31). Invalid entries yield one
- * symbol and consume nothing, as on the CPU. Call with all threads; len[] set; returns false
- * (for every thread) if the lengths over-subscribe the code space. */
-__device__ bool build_lut(CodeTables &ct, u32 *lut, u16 *single, u32 *flag) {
-    const u32 tid = threadIdx.x;
-    count_lengths(ct);
-    if (tid == 0) *flag = canonical_bounds(ct) ? 1u : 0u;
+ * symbol and consume nothing, as on the CPU. Call with all NT threads; thread s < 256 passes
+ * symbol s's code length as the frame gives it (0 for the others). Returns 0, or for every
+ * thread E_HUFF_LEN (a length over MAX_CODE_LEN) or E_HUFF_KRAFT (lengths that
+ * over-subscribe the code space; only a hostile frame has either).
+ *
+ * Five barriers: the per-length counts come from chunk_rank's, and warp 0 turns them into the
+ * canonical bounds with shuffles. (With a count pass, a thread-0 bounds pass and a rank pass
+ * of their own it took nine, about a quarter of a small block's decode; docs/gpu.md.) */
+__device__ u32 build_lut(CodeTables &ct, u32 l, u32 *lut, u16 *single, u32 *flag) {
+    const u32 tid = threadIdx.x, lane = tid & 31;
+    const bool too_long = l > MAX_CODE_LEN;
+    l = too_long ? 0u : l;
+    u32 r = tid < 256 ? chunk_rank(ct, l) : 0u;
+    if (__syncthreads_or(too_long)) return E_HUFF_LEN;
+    if (tid < 32) { /* lane m: the number of codes of length m */
+        u32 cnt = 0;
+        if (lane >= 1 && lane <= MAX_CODE_LEN)
+            for (u32 c = 0; c < 8; c++) cnt += ct.ccnt[c][lane];
+        const u32 kraft = canonical_bounds(ct, cnt);
+        if (lane == 0) *flag = kraft <= LUT_SIZE ? 1u : 0u;
+    }
     __syncthreads();
-    if (!*flag) return false;
-    canonical_ranks(ct);
-    for (u32 s = tid; s < 256; s += blockDim.x)
-        if (ct.len[s]) ct.sym_at[ct.offset[ct.len[s]] + ct.rank[s]] = (u8)s;
+    if (!*flag) return E_HUFF_KRAFT;
+    if (tid < 256 && l) ct.sym_at[ct.offset[l] + r + rank_before(ct, l)] = (u8)tid;
     __syncthreads();
     u32 limit[MAX_CODE_LEN + 1];
-    for (int l = 1; l <= MAX_CODE_LEN; l++) limit[l] = ct.limit[l];
-    for (u32 j = tid; j < LUT_SIZE; j += blockDim.x) {
+    for (int m = 1; m <= MAX_CODE_LEN; m++) limit[m] = ct.limit[m];
+    for (u32 j = tid; j < LUT_SIZE; j += NT) {
         u32 v = __brev(j) >> (32 - MAX_CODE_LEN); /* the window, first bit most significant */
-        u32 l = MAX_CODE_LEN + 1; /* the shortest length whose codes reach past v */
-        for (int m = MAX_CODE_LEN; m >= 1; m--) l = v < limit[m] ? (u32)m : l;
+        u32 m = MAX_CODE_LEN + 1; /* the shortest length whose codes reach past v */
+        for (int q = MAX_CODE_LEN; q >= 1; q--) m = v < limit[q] ? (u32)q : m;
         u16 e = 0;
-        if (l <= MAX_CODE_LEN) e = (u16)(ct.sym_at[ct.offset[l] + (v >> (MAX_CODE_LEN - l)) - ct.first[l]] | (l << 8));
+        if (m <= MAX_CODE_LEN) e = (u16)(ct.sym_at[ct.offset[m] + (v >> (MAX_CODE_LEN - m)) - ct.first[m]] | (m << 8));
         single[j] = e;
     }
     __syncthreads();
-    for (u32 j = tid; j < LUT_SIZE; j += blockDim.x) {
+    for (u32 j = tid; j < LUT_SIZE; j += NT) {
         u32 e = single[j] & 0xFFu, used = single[j] >> 8, n = 1;
         if (!used) {
             lut[j] = LUT_BAD_BIT | (1u << 25);
             continue;
         }
         for (; n < 3; n++) { /* codes no longer than the bits left are decided by them */
-            u32 next = single[j >> used], l = next >> 8;
-            if (!l || used + l > MAX_CODE_LEN) break;
+            u32 next = single[j >> used], q = next >> 8;
+            if (!q || used + q > MAX_CODE_LEN) break;
             e |= (next & 0xFFu) << (8 * n);
-            used += l;
+            used += q;
         }
         lut[j] = e | (n << 25) | (used << 27);
     }
     __syncthreads();
-    return true;
+    return 0;
 }
 
 /* Decodes one sub-stream: bytes [start, stop) of a plane's data, `count` symbols into out.
@@ -595,8 +673,7 @@ __device__ u32 parse_planes(const u8 *h, u32 hlen, u32 len, u32 off, int np, u32
             if (p.lo + p.span > 255) return E_HUFF_RANGE;
             u32 nib = (p.span + 2) / 2;
             if (hlen - off < nib) return cut ? cut : E_HUFF_TABLE;
-            for (u32 s = 0; s <= p.span; s++)
-                if (((h[off + s / 2] >> (4 * (s & 1))) & 15u) > MAX_CODE_LEN) return E_HUFF_LEN;
+            /* lengths over MAX_CODE_LEN: build_lut checks them, a thread per symbol */
             if ((p.span & 1) == 0 && (h[off + nib - 1] >> 4)) return E_HUFF_PAD;
             p.len_off = off;
             off += nib;
@@ -629,17 +706,11 @@ __device__ u32 parse_planes(const u8 *h, u32 hlen, u32 len, u32 off, int np, u32
     return align16(off) == len ? 0u : (u32)E_SIZE;
 }
 
-/* Code lengths of a parsed HUFF plane into ct.len (all threads, any block size). */
-__device__ void load_lengths(CodeTables &ct, const u8 *h, const PlaneDesc &p) {
-    for (u32 s = threadIdx.x; s < 256; s += blockDim.x) {
-        u32 l = 0;
-        if (s >= p.lo && s <= p.lo + p.span) {
-            u32 i = s - p.lo;
-            l = (h[p.len_off + i / 2] >> (4 * (i & 1))) & 15u;
-        }
-        ct.len[s] = (u8)l;
-    }
-    __syncthreads();
+/* Symbol s's code length in a parsed HUFF plane (0 if unused), as the frame gives it. */
+__device__ __forceinline__ u32 plane_length(const u8 *h, const PlaneDesc &p, u32 s) {
+    if (s < p.lo || s > p.lo + p.span) return 0u;
+    const u32 i = s - p.lo;
+    return (h[p.len_off + i / 2] >> (4 * (i & 1))) & 15u;
 }
 
 __device__ __forceinline__ u32 load_u16(const u8 *p) { return p[0] | ((u32)p[1] << 8); }
@@ -676,13 +747,14 @@ struct EncShared {
     };
     u32 count[64];   /* build_lengths: leaves per depth */
     u32 used_mask[8];
+    u32 wbits[8];    /* code bits of the entropy plane, per warp of symbols */
     u32 sbytes[LUT_SIZE / 2]; /* per sub-stream bytes, then their start offsets (k <= 1024) */
     u32 wsum[NW];
     u64 red[2 * NW];
     __align__(16) u8 hdr[HDR_BYTES]; /* mode byte and plane headers, zero padded */
     u32 data_off[16];
-    u32 ticket, nused, plane_mode, value, lo, hi, k, huff_total, hdr_nbytes, ends_off, size, raw_block;
-    u64 bits, base;
+    u32 ticket, plane_mode, value, lo, hi, k, huff_total, hdr_nbytes, ends_off, size, raw_block;
+    u64 base;
 };
 
 /* In-place exclusive scan of a[0, n) (n <= 2 * NT) in shared memory; returns the total. */
@@ -711,9 +783,12 @@ __device__ u32 block_scan(u32 *a, u32 n, u32 *wsum) {
 
 /* A block's payload offset from the sizes of the blocks before it: the decoupled look-back
  * of single-pass prefix sums. status[i] holds block i's size (AGG) or its inclusive prefix
- * (INCL); tickets make every lower block resident or done, so the wait ends. Warp 0 reads 32
- * predecessors at once: with one thread, a small frame's many blocks (format.small_block_elems)
- * made a chain of up to a hundred dependent L2 loads. Every lane returns the offset. */
+ * (INCL); tickets make every lower block resident or done, so the wait ends. Warp 0 reads
+ * LOOKBACK_LOADS x 32 predecessors per round, all loads in flight at once: a small frame's 128
+ * blocks are one round trip to L2, not four (with one thread they were a chain of up to a
+ * hundred dependent loads). Windows are taken nearest first, up to the first INCL; a window
+ * with a block not yet published ends the round, and the next one starts there. Every lane
+ * returns the offset. */
 __device__ u64 lookback(u64 *status, u32 b, u64 size) {
     volatile u64 *st = status;
     const u32 lane = threadIdx.x & 31;
@@ -724,20 +799,33 @@ __device__ u64 lookback(u64 *status, u32 b, u64 size) {
     if (lane == 0) st[b] = LOOKBACK_AGG | size;
     u64 acc = 0;
     for (long long top = (long long)b - 1;;) {
-        const long long i = top - (long long)lane; /* lane 0 is the nearest predecessor */
-        const u64 v = i >= 0 ? st[i] : LOOKBACK_INCL; /* before block 0: a prefix of 0 */
-        const u32 incl = __ballot_sync(0xffffffffu, (v >> 62) == 2);
-        const u32 ready = __ballot_sync(0xffffffffu, (v >> 62) != 0);
-        const u32 need = incl ? ((incl & (0u - incl)) << 1) - 1u : 0xffffffffu; /* lanes up to the nearest INCL */
-        if ((ready & need) != need) {
-            __nanosleep(64);
-            continue;
+        u64 v[LOOKBACK_LOADS];
+#pragma unroll
+        for (int r = 0; r < LOOKBACK_LOADS; r++) { /* lane 0 of window 0 is the nearest predecessor */
+            const long long i = top - 32 * r - (long long)lane;
+            v[r] = i >= 0 ? st[i] : LOOKBACK_INCL; /* before block 0: a prefix of 0 */
         }
-        u64 x = (need >> lane) & 1u ? v & LOOKBACK_VALUE : 0ull;
+        u64 x = 0;
+        int taken = 0;
+        bool found = false;
+#pragma unroll
+        for (int r = 0; r < LOOKBACK_LOADS; r++) {
+            const u32 incl = __ballot_sync(0xffffffffu, (v[r] >> 62) == 2);
+            const u32 ready = __ballot_sync(0xffffffffu, (v[r] >> 62) != 0);
+            const u32 need = incl ? ((incl & (0u - incl)) << 1) - 1u : 0xffffffffu; /* lanes up to the nearest INCL */
+            if ((ready & need) != need) break;
+            x += (need >> lane) & 1u ? v[r] & LOOKBACK_VALUE : 0ull;
+            taken++;
+            if (incl) {
+                found = true;
+                break;
+            }
+        }
         for (int o = 16; o; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
         acc += x;
-        if (incl) break;
-        top -= 32;
+        if (found) break;
+        if (taken < LOOKBACK_LOADS) __nanosleep(64);
+        top -= 32 * taken;
     }
     if (lane == 0) st[b] = LOOKBACK_INCL | (acc + size);
     return acc;
@@ -955,6 +1043,12 @@ __device__ void enc_block(const u8 *src, u64 numel, u32 be, u32 S, u8 *out, u64 
      *    E, the plane's histogram in per-lane counters (one bank per lane: no conflicts) */
     u64 h_orig = 0, h_pay = 0;
     constexpr int F = L::ITEM > 2 ? 2 : 4; /* chunks in flight per thread, within 64 registers */
+    /* A block of at most NT chunks with two planes (bf16, fp16) keeps its chunk's RAW plane in
+     * 4 registers until step 5 writes it: no second read of the block from L2 after the
+     * look-back, where a small block's latency is the cost (docs/gpu.md, round 12). */
+    constexpr int KP = L::NPLANES == 2 ? 1 - L::HPLANE : -1; /* the plane kept */
+    const bool kept = KP >= 0 && coded && nchunks <= NT;
+    uint4 keep = zero4();
     for (u32 c0 = tid; c0 < nchunks; c0 += F * NT) {
         uint4 v[F][L::ITEM];
 #pragma unroll
@@ -971,6 +1065,7 @@ __device__ void enc_block(const u8 *src, u64 numel, u32 be, u32 S, u8 *out, u64 
                 L::split(v[h], pl);
                 const uint4 sy = pl[hp];
                 *(uint4 *)(E + 16 * c) = sy;
+                if (KP >= 0 && h == 0) keep = pl[KP < 0 ? 0 : KP];
                 const u32 cnt = n - 16 * c < 16 ? n - 16 * c : 16;
                 if (cnt == 16) { /* every chunk but a block's last: no per-symbol branches */
 #pragma unroll
@@ -1002,21 +1097,17 @@ __device__ void enc_block(const u8 *src, u64 numel, u32 be, u32 S, u8 *out, u64 
             if (lane == 0) sm.used_mask[warp] = m;
         }
         __syncthreads();
+        u32 lo = 256, hi = 0; /* every thread, from the 8 masks: no thread-0 step and barrier */
+        for (int w = 0; w < 8; w++) {
+            u32 m = sm.used_mask[w];
+            nused += __popc(m);
+            if (m && lo == 256) lo = 32 * w + __ffs(m) - 1;
+            if (m) hi = 32 * w + 31 - __clz(m);
+        }
         if (tid == 0) {
-            u32 lo = 256, hi = 0, cnt = 0;
-            for (int w = 0; w < 8; w++) {
-                u32 m = sm.used_mask[w];
-                cnt += __popc(m);
-                if (m && lo == 256) lo = 32 * w + __ffs(m) - 1;
-                if (m) hi = 32 * w + 31 - __clz(m);
-            }
             sm.lo = lo;
             sm.hi = hi;
-            sm.nused = cnt;
         }
-        __syncthreads();
-        nused = sm.nused;
-        const u32 lo = sm.lo, hi = sm.hi;
         if ((u32)tid >= lo && (u32)tid <= hi && ct.hist[tid]) { /* rank sort over the used range */
             u32 key = ct.hist[tid] << 8 | tid, r = 0;
             for (u32 t = lo; t <= hi; t++) {
@@ -1028,19 +1119,23 @@ __device__ void enc_block(const u8 *src, u64 numel, u32 be, u32 S, u8 *out, u64 
         __syncthreads();
         PHASE(0, 1);
         if (nused >= 2) {
-            build_lengths(ct, (int)nused, sm.build.w, sm.build.parent, sm.build.depth, sm.count);
-            PHASE(0, 2);
-            if (tid == 0) canonical_bounds(ct);
-            __syncthreads();
-            canonical_ranks(ct);
-            u32 bits = 0;
-            if (tid < 256) {
-                u32 l = ct.len[tid];
-                if (l) ct.tab[tid] = (__brev(ct.first[l] + ct.rank[tid]) >> (32 - l)) | (l << 16);
-                bits = ct.hist[tid] * l;
+            if (nused <= 32) {
+                if (warp == 0) build_lengths_warp(ct, (int)nused, sm.build.w, sm.build.parent);
+                __syncthreads();
+            } else {
+                build_lengths(ct, (int)nused, sm.build.w, sm.build.parent, sm.build.depth, sm.count);
             }
-            u64 total_bits = block_sum(bits, sm.red);
-            if (tid == 0) sm.bits = total_bits;
+            PHASE(0, 2);
+            /* the codes (thread s: symbol s) and the code bits of each warp's 32 symbols, which
+             * step 3 adds up after the barrier below */
+            const u32 l = tid < 256 ? ct.len[tid] : 0u;
+            const u32 r = tid < 256 ? chunk_rank(ct, l) : 0u;
+            __syncthreads();
+            if (tid < 256) {
+                if (l) ct.tab[tid] = (__brev(ct.first[l] + r + rank_before(ct, l)) >> (32 - l)) | (l << 16);
+                const u32 bits = __reduce_add_sync(0xffffffffu, ct.hist[tid] * l);
+                if (lane == 0) sm.wbits[warp] = bits;
+            }
         }
         __syncthreads();
         PHASE(0, 3);
@@ -1055,7 +1150,9 @@ __device__ void enc_block(const u8 *src, u64 numel, u32 be, u32 S, u8 *out, u64 
             sm.value = sm.lo;
         } else if (coded) {
             u32 k = (n + S - 1) / S;
-            u64 est = sm.bits / 8 + k;
+            u64 bits = 0;
+            for (int w = 0; w < 8; w++) bits += sm.wbits[w];
+            u64 est = bits / 8 + k;
             sm.k = k;
             if (3 + (sm.hi - sm.lo + 2) / 2 + 2 * k + est < 1 + (u64)n && est <= 0xFFFF) mode = PLANE_HUFF;
         }
@@ -1160,7 +1257,16 @@ __device__ void enc_block(const u8 *src, u64 numel, u32 be, u32 S, u8 *out, u64 
             *(uint4 *)(dst + 16 * u) = v;
             h_pay += uzh_chunk(v, u);
         }
-        for (u32 c0 = tid; c0 < nchunks; c0 += F * NT) { /* RAW planes: the block again, from L2 */
+        if (kept && tid < nchunks) { /* RAW planes from the registers, and from E if the coded plane is RAW */
+            const u32 c = tid;
+            for (int p = 0; p < L::NPLANES; p++) {
+                if (p == L::HPLANE && pmode != PLANE_RAW) continue;
+                const uint4 v = p == L::HPLANE ? *(const uint4 *)(E + 16 * c) : keep;
+                *(uint4 *)(dst + sm.data_off[p] + 16 * c) = v;
+                h_pay += uzh_chunk(v, (sm.data_off[p] >> 4) + c);
+            }
+        }
+        for (u32 c0 = kept ? nchunks : tid; c0 < nchunks; c0 += F * NT) { /* RAW planes: the block again, from L2 */
             uint4 v[F][L::ITEM];
 #pragma unroll
             for (int h = 0; h < F; h++)
@@ -1333,9 +1439,9 @@ __device__ void dec_block_fast(const u8 *frame, u64 payload_off, u64 payload_len
         }
         u32 k = 0;
         if (hp != 255) {
-            load_lengths(sm.ct, win, sm.pd[hp]);
-            if (!build_lut(sm.ct, lut, single, &sm.flag)) {
-                if (tid == 0) report(err, b, E_HUFF_KRAFT);
+            const u32 code = build_lut(sm.ct, plane_length(win, sm.pd[hp], tid), lut, single, &sm.flag);
+            if (code) {
+                if (tid == 0) report(err, b, code);
                 return;
             }
             PHASE(1, 3);
@@ -1518,10 +1624,10 @@ __device__ void dec_block_general(const u8 *frame, u64 payload_off, u64 payload_
             for (u32 q = 0; q < np; q++) {
                 const PlaneDesc &p = sm.pd[q];
                 if (p.mode != PLANE_HUFF) continue;
-                load_lengths(sm.ct, blk, p);
-                if (!build_lut(sm.ct, lut, single, &sm.flag)) {
+                const u32 code = build_lut(sm.ct, plane_length(blk, p, tid), lut, single, &sm.flag);
+                if (code) {
                     if (tid == 0) {
-                        report(err, b, E_HUFF_KRAFT);
+                        report(err, b, code);
                         sm.bad = 1;
                     }
                     break;
