@@ -3,7 +3,7 @@
 # variant is NAME=TREE:CUBIN: a source tree (its launcher, cuda.py, must match the cubin; "."
 # is the working tree, an older one is e.g. `git archive BASE uzip_serve benchmarks setup.py
 # pyproject.toml tests` unpacked under .gpudata/) and a cubin built by benchmarks/nvrtc_cubin.py.
-# Carry [".whl", ".gpudata"], then e.g.
+# Carry [".gpudata"] (and ".whl" for nvCOMP), then e.g.
 #   VARIANTS="base=.gpudata/base:.gpudata/base.cubin new=.:.gpudata/new.cubin" \
 #   PHASES="base=.gpudata/base:.gpudata/base_phases.cubin" bash benchmarks/codec_gpu_ab_device.sh
 # Runs the GPU tests on the working tree's source (CuPy's NVRTC), then the benchmark's bf16
@@ -11,8 +11,11 @@
 # variants (-DUZ_PHASES builds). SIZES (MiB) and REPEATS choose the rows.
 set -o pipefail
 ROOT=$PWD
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    .whl/*.whl > "$OUT/setup.log" 2>&1 || { echo "install failed"; cat "$OUT/setup.log"; exit 1; }
+# the nvCOMP wheels only matter to NCU and nvCOMP rows; an A/B (--no-nvcomp) runs without them
+if ls .whl/*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl > "$OUT/setup.log" 2>&1 || { echo "install failed"; cat "$OUT/setup.log"; exit 1; }
+fi
 export PYTHONUNBUFFERED=1 UZIP_GPU_DATA=$ROOT/.gpudata/real.safetensors
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader
 for tree in $(for v in $VARIANTS $PHASES; do t=${v#*=}; echo "${t%%:*}"; done | sort -u); do

@@ -133,14 +133,14 @@ __device__ u64 block_sum(u64 v, u64 *red) {
     return t;
 }
 
-/* Two sums over the CUDA block in one barrier round, for thread 0 only (the two hashes at the
- * end of a block, where nothing else waits on them). `red`: 2 * NW words. */
+/* Two sums over the CUDA block in one barrier, for thread 0 only (the two hashes at the end of
+ * a block, where nothing else waits on them). `red`: 2 * NW words that nothing else uses, so
+ * no barrier is needed before they are written (each kernel calls this once, last). */
 __device__ void block_sum2(u64 &a, u64 &b, u64 *red) {
     for (int o = 16; o; o >>= 1) {
         a += __shfl_xor_sync(0xffffffffu, a, o);
         b += __shfl_xor_sync(0xffffffffu, b, o);
     }
-    __syncthreads(); /* red may still be read from a previous call */
     const u32 nw = blockDim.x / 32;
     if ((threadIdx.x & 31) == 0) {
         red[threadIdx.x >> 5] = a;
@@ -753,7 +753,7 @@ struct EncShared {
     u64 red[2 * NW];
     __align__(16) u8 hdr[HDR_BYTES]; /* mode byte and plane headers, zero padded */
     u32 data_off[16];
-    u32 ticket, plane_mode, value, lo, hi, k, huff_total, hdr_nbytes, ends_off, size, raw_block;
+    u32 ticket, plane_mode, value, lo, hi, k, huff_total, hdr_nbytes, size, raw_block;
     u64 base;
 };
 
@@ -1086,7 +1086,7 @@ __device__ void enc_block(const u8 *src, u64 numel, u32 be, u32 S, u8 *out, u64 
     PHASE(0, 0);
 
     /* 2. the code: histogram, used symbols sorted by count, Huffman lengths, canonical codes */
-    u32 nused = 0;
+    u32 nused = 0, lo = 256, hi = 0;
     if (coded) {
         if (tid < 256) {
             u32 c = 0;
@@ -1097,7 +1097,7 @@ __device__ void enc_block(const u8 *src, u64 numel, u32 be, u32 S, u8 *out, u64 
             if (lane == 0) sm.used_mask[warp] = m;
         }
         __syncthreads();
-        u32 lo = 256, hi = 0; /* every thread, from the 8 masks: no thread-0 step and barrier */
+        /* every thread, from the 8 masks: no thread-0 step and barrier */
         for (int w = 0; w < 8; w++) {
             u32 m = sm.used_mask[w];
             nused += __popc(m);
@@ -1169,6 +1169,7 @@ __device__ void enc_block(const u8 *src, u64 numel, u32 be, u32 S, u8 *out, u64 
     const u32 per = S / G;
     const bool wide_runs = per * MAX_CODE_LEN > 0xFF;
     const bool keep_runs = k * 32u * (wide_runs ? 2u : 1u) <= RUNS_BYTES;
+    u32 huff_total = 0;
     if (pmode == PLANE_HUFF) {
         for (u32 j0 = warp * spw; j0 < k; j0 += NW * spw) {
             const u32 j = j0 + sub, s0 = j * S + gl * per, cnt = run_count(j < k, s0, n, per);
@@ -1182,8 +1183,8 @@ __device__ void enc_block(const u8 *src, u64 numel, u32 be, u32 S, u8 *out, u64 
             if (gl == 0 && j < k) sm.sbytes[j] = (bits + 7) / 8;
         }
         __syncthreads();
-        u32 total = block_scan(sm.sbytes, k, sm.wsum);
-        if (tid == 0) sm.huff_total = total;
+        huff_total = block_scan(sm.sbytes, k, sm.wsum); /* every thread */
+        if (tid == 0) sm.huff_total = huff_total;
     }
     PHASE(0, 4);
 
@@ -1214,12 +1215,9 @@ __device__ void enc_block(const u8 *src, u64 numel, u32 be, u32 S, u8 *out, u64 
                 u8 *q = h + plane_off[p];
                 q[0] = (u8)mode;
                 if (mode == PLANE_CONST) q[1] = (u8)sm.value;
-                if (mode == PLANE_HUFF) {
+                if (mode == PLANE_HUFF) { /* its lengths and ends: warps 1-15, below */
                     q[1] = (u8)sm.lo;
                     q[2] = (u8)(sm.hi - sm.lo);
-                    for (u32 s = sm.lo, i = 0; s <= sm.hi; s += 2, i++)
-                        q[3 + i] = (u8)(ct.len[s] | ((s + 1 <= sm.hi ? ct.len[s + 1] : 0) << 4));
-                    sm.ends_off = plane_off[p] + 3 + (sm.hi - sm.lo + 2) / 2;
                 }
             }
         }
@@ -1229,6 +1227,21 @@ __device__ void enc_block(const u8 *src, u64 numel, u32 be, u32 S, u8 *out, u64 
         __syncwarp();
         const u64 base = lookback(state + 3, b, sm.size);
         if (lane == 0) sm.base = base;
+    } else if (pmode == PLANE_HUFF) {
+        /* meanwhile the coded plane's code lengths (two per byte) and sub-stream ends go into
+         * its header, which starts after one byte per RAW plane before it. (Thread 0 wrote them
+         * before the look-back could start; in a RAW block they are written and not used.) */
+        u8 *q = sm.hdr + 1 + hp;
+        const u32 nib = (hi - lo + 2) / 2, ends = 1 + hp + 3 + nib;
+        for (u32 i = tid - 32; i < nib; i += NT - 32) {
+            const u32 s = lo + 2 * i;
+            q[3 + i] = (u8)(ct.len[s] | ((s + 1 <= hi ? ct.len[s + 1] : 0) << 4));
+        }
+        for (u32 j = tid - 32; j < k; j += NT - 32) {
+            const u32 e = j + 1 < k ? sm.sbytes[j + 1] : huff_total;
+            sm.hdr[ends + 2 * j] = (u8)e;
+            sm.hdr[ends + 2 * j + 1] = (u8)(e >> 8);
+        }
     }
     __syncthreads();
     PHASE(0, 6);
@@ -1245,13 +1258,6 @@ __device__ void enc_block(const u8 *src, u64 numel, u32 be, u32 S, u8 *out, u64 
         }
     } else {
         const bool huff = pmode == PLANE_HUFF;
-        if (huff)
-            for (u32 j = tid; j < k; j += NT) {
-                u32 e = (j + 1 < k ? sm.sbytes[j + 1] : sm.huff_total);
-                sm.hdr[sm.ends_off + 2 * j] = (u8)e;
-                sm.hdr[sm.ends_off + 2 * j + 1] = (u8)(e >> 8);
-            }
-        __syncthreads();
         for (u32 u = tid; u < align16(sm.hdr_nbytes) / 16; u += NT) {
             uint4 v = ((const uint4 *)sm.hdr)[u];
             *(uint4 *)(dst + 16 * u) = v;
