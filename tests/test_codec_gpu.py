@@ -244,7 +244,8 @@ def test_every_substream_size(gpu, monkeypatch, block, sub):
 
 def test_frames_do_not_depend_on_scheduling():
     """GPU frames are a function of the tensor alone: the emulator with 1 and 5 CUDA blocks in
-    flight (the look-back then waits, or never does) writes the same bytes, and where a GPU is
+    flight (the look-back then waits, or never does), and with blocks started last first (so no
+    CUDA block's guess at its ticket is right), writes the same bytes, and where a GPU is
     present, so does the GPU. So the emulator checks exactly the code the GPU runs."""
     from simt.build import compiler
 
@@ -255,11 +256,11 @@ def test_frames_do_not_depend_on_scheduling():
     x = (torch.randn(300_000, generator=torch.Generator().manual_seed(3)) * 0.02).to(torch.bfloat16)
     cap = uz.max_compressed_size(x.nbytes, x.dtype)
     frames = []
-    for conc in (1, 5):
+    for conc, rev in ((1, False), (5, False), (5, True)):
         out = torch.empty(cap, dtype=torch.uint8)
-        n = kc.CudaCodec(runtime=SimRuntime(concurrent_blocks=conc)).compress_device(x, out)
+        n = kc.CudaCodec(runtime=SimRuntime(concurrent_blocks=conc, reverse_blocks=rev)).compress_device(x, out)
         frames.append(out[:n].numpy().tobytes())
-    assert frames[0] == frames[1]
+    assert frames[0] == frames[1] == frames[2]
     if torch.cuda.is_available():
         pytest.importorskip("cupy")
         assert bytes(uz.compress(x.cuda())) == frames[0]

@@ -19,15 +19,17 @@ KERNELS = Path(__file__).resolve().parents[2] / "uzip_serve" / "kernels" / "cuda
 
 class SimRuntime:
     """Launches cuda_codec.cu's kernels in the emulator; `concurrent_blocks` CUDA blocks at once
-    (their threads interleaved), so the encoder's look-back between blocks really waits."""
+    (their threads interleaved), so the encoder's look-back between blocks really waits;
+    `reverse_blocks` starts them from the last blockIdx, so tickets and blockIdx disagree."""
 
-    def __init__(self, concurrent_blocks: int = 3, sm_count: int = 4):
+    def __init__(self, concurrent_blocks: int = 3, sm_count: int = 4, reverse_blocks: bool = False):
         self._mod = build(KERNELS, name="uzsim_codec")
         self._concurrent = concurrent_blocks
+        self._reverse = reverse_blocks
         self._sms = sm_count
 
     def launch(self, device, name: str, grid: int, block: int, args: tuple, stream, smem: int = 0) -> None:
-        self._mod.configure(concurrent_blocks=self._concurrent)
+        self._mod.configure(concurrent_blocks=self._concurrent, reverse_blocks=self._reverse)
         self._mod.launch(name, grid, block, smem, tuple(int(a) for a in args))
 
     def sm_count(self, device) -> int:

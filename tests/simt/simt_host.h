@@ -13,7 +13,8 @@
  * threads have yet to reach; the last one to arrive goes straight on), calls __nanosleep /
  * uzsim_yield, or returns; the scheduler then resumes the next runnable fiber, round robin over
  * the threads of up to config().concurrent_blocks resident blocks (started in ascending linear
- * blockIdx order, the next one as soon as one finishes). Nothing runs in between, so a plain
+ * blockIdx order, or descending with config().reverse_blocks, the next one as soon as one
+ * finishes). Nothing runs in between, so a plain
  * read-modify-write is atomic and no locks are needed. A spin-wait loop must call __nanosleep
  * (or uzsim_yield): nothing preempts a fiber.
  *
@@ -117,6 +118,7 @@ struct Config {
     unsigned concurrent_blocks = 3;   // resident blocks whose fibers interleave
     size_t stack_bytes = 128 * 1024;  // per CUDA thread, plus a guard page
     unsigned spin_rounds = 10000;     // rounds of nothing but spinning before "livelock"
+    bool reverse_blocks = false;      // start blocks in descending blockIdx order (CUDA promises no order)
 };
 inline Config& config() { static Config c; return c; }
 
@@ -598,7 +600,10 @@ inline void run_grid() {
     unsigned long long next = 0;
     unsigned idle_rounds = 0;
     for (;;) {
-        while (E.active.size() < cfg.concurrent_blocks && next < nblocks) start_block(next++);
+        while (E.active.size() < cfg.concurrent_blocks && next < nblocks) {
+            start_block(cfg.reverse_blocks ? nblocks - 1 - next : next);
+            ++next;
+        }
         if (E.active.empty()) return;
         E.progress = false;
         for (Block* b : E.active) {

@@ -6,7 +6,7 @@
  *
  *   launch(name, grid, block, smem, args)   grid / block: int or tuple of 1-3 ints; args: ints
  *   kernels() -> list of registered names
- *   configure(concurrent_blocks=3, stack_bytes=131072)
+ *   configure(concurrent_blocks=3, stack_bytes=131072, reverse_blocks=False)
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -144,15 +144,17 @@ PyObject* py_kernels(PyObject*, PyObject*) {
 }
 
 PyObject* py_configure(PyObject*, PyObject* args, PyObject* kwargs) {
-    static const char* kwlist[] = {"concurrent_blocks", "stack_bytes", nullptr};
+    static const char* kwlist[] = {"concurrent_blocks", "stack_bytes", "reverse_blocks", nullptr};
     Py_ssize_t blocks = 3, stack = 128 * 1024;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|nn", const_cast<char**>(kwlist), &blocks, &stack))
+    int reverse = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|nnp", const_cast<char**>(kwlist), &blocks, &stack, &reverse))
         return nullptr;
     if (blocks < 1 || blocks > 4096) return PyErr_Format(PyExc_ValueError, "concurrent_blocks must be in [1, 4096]");
     if (stack < 16 * 1024 || stack > (Py_ssize_t{1} << 30))
         return PyErr_Format(PyExc_ValueError, "stack_bytes must be in [16 KiB, 1 GiB]");
     uzsim::config().concurrent_blocks = static_cast<unsigned>(blocks);
     uzsim::config().stack_bytes = static_cast<size_t>(stack);
+    uzsim::config().reverse_blocks = reverse != 0;
     Py_RETURN_NONE;
 }
 
@@ -161,7 +163,7 @@ PyMethodDef methods[] = {
      "launch(name, grid, block, smem, args): run a registered kernel on the SIMT emulator"},
     {"kernels", py_kernels, METH_NOARGS, "kernels() -> sorted names of the registered kernels"},
     {"configure", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_configure)),
-     METH_VARARGS | METH_KEYWORDS, "configure(concurrent_blocks=3, stack_bytes=131072)"},
+     METH_VARARGS | METH_KEYWORDS, "configure(concurrent_blocks=3, stack_bytes=131072, reverse_blocks=False)"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, UZSIM_STR(UZSIM_MODULE),
