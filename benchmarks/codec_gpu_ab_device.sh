@@ -8,7 +8,7 @@
 #   PHASES="base=.gpudata/base:.gpudata/base_phases.cubin" bash benchmarks/codec_gpu_ab_device.sh
 # Runs the GPU tests on the working tree's source (CuPy's NVRTC), then the benchmark's bf16
 # N(0, 0.02) rows for every variant, twice in turn, then the phase cycles of the PHASES
-# variants (-DUZ_PHASES builds). SIZES (MiB) and REPEATS choose the rows.
+# variants (-DUZ_PHASES builds). SIZES (MiB), REPEATS and PHASE_SIZES choose the rows.
 set -o pipefail
 ROOT=$PWD
 # the nvCOMP wheels only matter to NCU and nvCOMP rows; an A/B (--no-nvcomp) runs without them
@@ -39,7 +39,7 @@ for round in 1 2; do
 done
 for v in $PHASES; do
     echo "--- phases: ${v%%=*}"
-    run "$v" --phases --sizes 1,1024 --repeats 5 2>&1
+    run "$v" --phases --sizes "${PHASE_SIZES:-1,1024}" --repeats 5 2>&1
 done
 # NCU="NAME=TREE:CUBIN ...": shared-memory bank conflicts and instructions of the bf16 kernels
 # at 64 MiB (one compress and one decompress after a warm-up; Nsight Compute on the device).

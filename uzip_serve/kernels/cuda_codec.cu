@@ -8,8 +8,9 @@
  *   uzh64                                    uzh_chunk (per 16 bytes) + block_sum
  *   split_planes / merge_planes              Layout::split / Layout::merge (16 elements at once)
  *   hist_of                                  lane-column counters in enc_block
- *   build_lengths                            build_lengths (same algorithm, thread 0)
- *   assign_codes                             canonical_ranks (match_any per warp)
+ *   build_lengths                            build_lengths_warp (<= 32 symbols, one warp) and
+ *                                            build_lengths (same algorithm, all threads)
+ *   assign_codes                             chunk_rank + rank_before (match_any per warp)
  *   encode_stream                            encode_stream (a thread per sub-stream)
  *   build_lut                                build_lut (same table, built in parallel)
  *   decode_4streams / decode_stream_tail     decode_merge (a thread per sub-stream, merging as
@@ -349,13 +350,16 @@ __device__ u32 canonical_bounds(CodeTables &ct, u32 cnt) {
 }
 
 /* The Huffman tree of n >= 2 leaves with weights w[0, n) in ascending order (one thread): the
- * two-queue merge of cpu_codec.c's build_lengths, both queue heads in registers. Internal node
- * i (n <= i < 2n - 1) gets weight w[i]; up[] links every node to its parent, the root to
- * itself. */
+ * two-queue merge of cpu_codec.c's build_lengths. Internal node i (n <= i < 2n - 1) gets
+ * weight w[i]; up[] links every node to its parent, the root to itself. The two front
+ * weights of each queue are kept in registers, so a pick never waits for the shared-memory
+ * load of the weight it compares next (that chain was most of a small block's tree). */
 __device__ void huffman_tree(int n, u32 *w, u16 *up) {
     const int nodes = 2 * n - 1;
     int leaf = 0, inode = n;
-    u32 lw = w[0], iw = 0; /* weights of the next leaf and of the next internal node */
+    /* lw, lw2: leaves leaf and leaf + 1; iw, iw2: internal nodes inode and inode + 1, each
+     * valid once that node exists (index < next) */
+    u32 lw = w[0], lw2 = n > 1 ? w[1] : 0u, iw = 0, iw2 = 0;
     for (int next = n; next < nodes; next++) {
         u32 pick_w[2];
         int pick[2];
@@ -364,18 +368,23 @@ __device__ void huffman_tree(int n, u32 *w, u16 *up) {
                 pick[t] = leaf;
                 pick_w[t] = lw;
                 leaf++;
-                lw = leaf < n ? w[leaf] : 0u;
+                lw = lw2;
+                lw2 = leaf + 1 < n ? w[leaf + 1] : 0u;
             } else {
                 pick[t] = inode;
                 pick_w[t] = iw;
                 inode++;
-                iw = inode < next ? w[inode] : 0u;
+                iw = iw2;
+                iw2 = inode + 1 < next ? w[inode + 1] : 0u;
             }
         }
         u32 sum = pick_w[0] + pick_w[1];
         w[next] = sum;
         up[pick[0]] = up[pick[1]] = (u16)next;
-        if (inode == next) iw = sum;
+        if (inode == next)
+            iw = sum;
+        else if (inode + 1 == next)
+            iw2 = sum;
     }
     up[nodes - 1] = (u16)(nodes - 1);
 }
@@ -534,12 +543,15 @@ __device__ __forceinline__ u32 rank_before(const CodeTables &ct, u32 l) {
  * symbol and consume nothing, as on the CPU. Call with all NT threads; thread s < 256 passes
  * symbol s's code length as the frame gives it (0 for the others). Returns 0, or for every
  * thread E_HUFF_LEN (a length over MAX_CODE_LEN) or E_HUFF_KRAFT (lengths that
- * over-subscribe the code space; only a hostile frame has either).
+ * over-subscribe the code space; only a hostile frame has either). `mid()` runs in every
+ * thread between two of the barriers (the fast decoder stages its HUFF data there, so the
+ * load's latency overlaps the build, and the data is in place when the build returns).
  *
  * Five barriers: the per-length counts come from chunk_rank's, and warp 0 turns them into the
  * canonical bounds with shuffles. (With a count pass, a thread-0 bounds pass and a rank pass
  * of their own it took nine, about a quarter of a small block's decode; docs/gpu.md.) */
-__device__ u32 build_lut(CodeTables &ct, u32 l, u32 *lut, u16 *single, u32 *flag) {
+template <class Mid>
+__device__ u32 build_lut(CodeTables &ct, u32 l, u32 *lut, u16 *single, u32 *flag, Mid mid) {
     const u32 tid = threadIdx.x, lane = tid & 31;
     const bool too_long = l > MAX_CODE_LEN;
     l = too_long ? 0u : l;
@@ -554,6 +566,7 @@ __device__ u32 build_lut(CodeTables &ct, u32 l, u32 *lut, u16 *single, u32 *flag
     }
     __syncthreads();
     if (!*flag) return E_HUFF_KRAFT;
+    mid();
     if (tid < 256 && l) ct.sym_at[ct.offset[l] + r + rank_before(ct, l)] = (u8)tid;
     __syncthreads();
     u32 limit[MAX_CODE_LEN + 1];
@@ -1453,15 +1466,28 @@ __device__ void dec_block_fast(const u8 *frame, u64 payload_off, u64 payload_len
         const u32 hunits = align16(sm.hdr_end) / 16;
         const u32 hu = hp != 255 ? align16(sm.pd[hp].size) / 16 : 0u, hoff = hp != 255 ? sm.pd[hp].data_off : 0u;
         const bool staged = 16 * hu <= sect_bytes;
-        for (u32 u = tid; u < hunits + hu; u += NT) {
-            u32 at = u < hunits ? 16 * u : hoff + 16 * (u - hunits);
-            uint4 v = at + 16 <= wlen ? *(const uint4 *)(win + at) : *(const uint4 *)(blk + at);
-            h_pay += uzh_chunk(v, at >> 4);
+        const u32 units = hunits + hu;
+        auto take = [&](u32 u, uint4 v) {
+            h_pay += uzh_chunk(v, (u < hunits ? 16 * u : hoff + 16 * (u - hunits)) >> 4);
             if (u >= hunits && staged) ((uint4 *)sect)[u - hunits] = v;
+        };
+        auto load = [&](u32 u) {
+            const u32 at = u < hunits ? 16 * u : hoff + 16 * (u - hunits);
+            return at + 16 <= wlen ? *(const uint4 *)(win + at) : *(const uint4 *)(blk + at);
+        };
+        /* a small block's units, one per thread, are loaded now and taken inside build_lut */
+        const bool one = units <= NT && hp != 255;
+        uint4 early = zero4();
+        if (one) {
+            if (tid < units) early = load(tid);
+        } else {
+            for (u32 u = tid; u < units; u += NT) take(u, load(u));
         }
         u32 k = 0;
         if (hp != 255) {
-            const u32 code = build_lut(sm.ct, plane_length(win, sm.pd[hp], tid), lut, single, &sm.flag);
+            const u32 code = build_lut(sm.ct, plane_length(win, sm.pd[hp], tid), lut, single, &sm.flag, [&] {
+                if (one && tid < units) take(tid, early);
+            });
             if (code) {
                 if (tid == 0) report(err, b, code);
                 return;
@@ -1646,7 +1672,7 @@ __device__ void dec_block_general(const u8 *frame, u64 payload_off, u64 payload_
             for (u32 q = 0; q < np; q++) {
                 const PlaneDesc &p = sm.pd[q];
                 if (p.mode != PLANE_HUFF) continue;
-                const u32 code = build_lut(sm.ct, plane_length(blk, p, tid), lut, single, &sm.flag);
+                const u32 code = build_lut(sm.ct, plane_length(blk, p, tid), lut, single, &sm.flag, [] {});
                 if (code) {
                     if (tid == 0) {
                         report(err, b, code);
