@@ -212,8 +212,9 @@ FIB = [1, 1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144, 233, 377, 610, 987]  # depth 1
 
 
 @pytest.mark.parametrize("counts", [FIB[:16], FIB[:16] + [1500], [1] * 20 + [2000, 1500], [1] * 31 + [3000],
-                                    [1] * 32 + [3000], [2 ** i for i in range(12)], [5] * 32, [1, 4000]],
-                         ids=["fib16", "fib17", "n22", "n32", "n33", "pow2", "flat32", "n2"])
+                                    [1] * 32 + [3000], FIB + [40] * 30, [2 ** i for i in range(12)], [5] * 32,
+                                    [1, 4000]],
+                         ids=["fib16", "fib17", "n22", "n32", "n33", "n46deep", "pow2", "flat32", "n2"])
 def test_code_lengths_match_the_cpu(gpu, counts):
     """Huffman trees deeper than MAX_CODE_LEN (the length-limiting repair), on both sides of
     the 32-symbol switch between the one-warp and the block-wide length builders: the GPU's

@@ -389,10 +389,30 @@ __device__ void huffman_tree(int n, u32 *w, u16 *up) {
     up[nodes - 1] = (u16)(nodes - 1);
 }
 
+/* Deflate's length-limiting repair (cpu_codec.c's build_lengths) on per-length leaf counts
+ * held one per lane: lane m (1 <= m <= MAX_CODE_LEN) passes count[m], with the leaves deeper
+ * than the limit counted at the limit, every other lane 0. While the Kraft sum is over,
+ * one leaf at the limit goes, and a leaf at the longest length below the limit that is still
+ * used moves one level down with a new sibling. Returns this lane's repaired count. A whole
+ * warp calls it; the counts stay in registers. */
+__device__ u32 limit_lengths(u32 cnt) {
+    const u32 FULL = 0xffffffffu, lane = threadIdx.x & 31;
+    u32 kraft = __reduce_add_sync(FULL, lane >= 1 && lane <= MAX_CODE_LEN ? cnt << (MAX_CODE_LEN - lane) : 0u);
+    for (; kraft > LUT_SIZE; kraft--) {
+        cnt -= lane == MAX_CODE_LEN ? 1u : 0u;
+        const u32 m = __ballot_sync(FULL, lane >= 1 && lane < MAX_CODE_LEN && cnt != 0);
+        if (m) {
+            const u32 l = 31 - __clz(m);
+            cnt += lane == l ? 0xFFFFFFFFu : lane == l + 1 ? 2u : 0u;
+        }
+    }
+    return cnt;
+}
+
 /* build_lengths (below) for n <= 32 used symbols, in warp 0 alone and with no block barrier:
  * the same lengths. The tree's 2n - 1 <= 63 nodes live two per lane (node i in lane i & 31),
  * so the pointer doubling gathers with shuffles; the per-length counts come from ballots and
- * the length-limiting repair runs on them in registers (lane m holds count[m]). Exponent
+ * limit_lengths repairs them in registers (lane m holds count[m]). Exponent
  * planes of real tensors use 12-40 symbols. The caller syncs the block after it. */
 __device__ void build_lengths_warp(CodeTables &ct, int n, u32 *w, u16 *up) {
     const u32 FULL = 0xffffffffu, lane = threadIdx.x & 31;
@@ -422,15 +442,7 @@ __device__ void build_lengths_warp(CodeTables &ct, int n, u32 *w, u16 *up) {
         const u32 c = __popc(__ballot_sync(FULL, dc == m));
         cnt = lane == m ? c : cnt;
     }
-    u32 kraft = __reduce_add_sync(FULL, lane >= 1 && lane <= MAX_CODE_LEN ? cnt << (MAX_CODE_LEN - lane) : 0u);
-    for (; kraft > LUT_SIZE; kraft--) {
-        cnt -= lane == MAX_CODE_LEN ? 1u : 0u;
-        const u32 m = __ballot_sync(FULL, lane >= 1 && lane < MAX_CODE_LEN && cnt != 0);
-        if (m) {
-            const u32 l = 31 - __clz(m); /* the longest length below the limit still used */
-            cnt += lane == l ? 0xFFFFFFFFu : lane == l + 1 ? 2u : 0u;
-        }
-    }
+    cnt = limit_lengths(cnt);
     canonical_bounds(ct, cnt);
     /* the least frequent symbols (front of keys) take the longest codes: leaf i's length is
      * the longest l with i < count[l] + ... + count[MAX_CODE_LEN], else 1 */
@@ -484,24 +496,7 @@ __device__ void build_lengths(CodeTables &ct, int n, u32 *w, u16 *up, u32 *depth
     /* lengths over the limit count as the limit; the repair below fixes the Kraft sum */
     if (tid < n) atomicAdd(&count[d < MAX_CODE_LEN ? d : MAX_CODE_LEN], 1u);
     __syncthreads();
-    if (tid < 32) {
-        if (tid == 0) {
-            u32 kraft = 0;
-            for (int l = 1; l <= MAX_CODE_LEN; l++) kraft += count[l] << (MAX_CODE_LEN - l);
-            while (kraft > LUT_SIZE) {
-                count[MAX_CODE_LEN]--;
-                for (int l = MAX_CODE_LEN - 1; l > 0; l--)
-                    if (count[l]) {
-                        count[l]--;
-                        count[l + 1] += 2;
-                        break;
-                    }
-                kraft--;
-            }
-        }
-        __syncwarp();
-        canonical_bounds(ct, tid >= 1 && tid <= MAX_CODE_LEN ? count[tid] : 0u);
-    }
+    if (tid < 32) canonical_bounds(ct, limit_lengths(tid >= 1 && tid <= MAX_CODE_LEN ? count[tid] : 0u));
     __syncthreads();
     /* the least frequent symbols (front of keys) take the longest codes */
     if (tid < n) {
