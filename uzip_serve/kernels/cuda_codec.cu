@@ -467,6 +467,7 @@ __device__ void build_lengths_warp(CodeTables &ct, int n, u32 *w, u16 *up) {
  *   - the merge is sequential (thread 0, huffman_tree);
  *   - depths come from pointer doubling over the parent links (all threads, log2 rounds),
  *     where a sequential pass over the 2n - 1 nodes was a chain of shared-memory loads;
+ *   - the repair runs in warp 0's registers (limit_lengths);
  *   - each leaf finds its length from the per-length counts (all threads). */
 __device__ void build_lengths(CodeTables &ct, int n, u32 *w, u16 *up, u32 *depth, u32 *count) {
     const int tid = threadIdx.x, nodes = 2 * n - 1, root = 2 * n - 2;
@@ -544,7 +545,7 @@ __device__ __forceinline__ u32 rank_before(const CodeTables &ct, u32 l) {
  *
  * Five barriers: the per-length counts come from chunk_rank's, and warp 0 turns them into the
  * canonical bounds with shuffles. (With a count pass, a thread-0 bounds pass and a rank pass
- * of their own it took nine, about a quarter of a small block's decode; docs/gpu.md.) */
+ * of their own it took nine; docs/gpu.md, round 12.) */
 template <class Mid>
 __device__ u32 build_lut(CodeTables &ct, u32 l, u32 *lut, u16 *single, u32 *flag, Mid mid) {
     const u32 tid = threadIdx.x, lane = tid & 31;
