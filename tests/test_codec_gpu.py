@@ -225,11 +225,13 @@ def test_code_lengths_match_the_cpu(gpu, counts):
     assert huff_lengths(gframe) == huff_lengths(bytes(uz.compress(x)))
 
 
-@pytest.mark.parametrize("block,sub", [(65536, 64), (65536, 256), (65536, 1024), (4096, 128), (4096, 1024)])
+@pytest.mark.parametrize("block,sub", [(65536, 64), (65536, 256), (65536, 1024), (4096, 64), (4096, 128),
+                                       (4096, 1024)])
 def test_every_substream_size(gpu, monkeypatch, block, sub):
-    """The encoder's writer at each sub-stream length: 2 to 32 symbols per lane (the 8-
-    and 1-symbol paths), run lengths kept from the size pass in u8 or u16 or counted again
-    when they do not fit, and a last block whose runs end mid-lane."""
+    """The encoder's writer at each sub-stream length: 8 to 32 symbols per lane (the 8-
+    and 1-symbol paths) in groups of a quarter, a half or a whole warp, run lengths kept from
+    the size pass in u8 or u16 or counted again when they do not fit, and a last block whose
+    runs end mid-lane."""
     monkeypatch.setenv("UZIP_GPU_BLOCK_ELEMS", str(block))
     monkeypatch.setenv("UZIP_GPU_SUBSTREAM", str(sub))
     x = random_tensor(torch.bfloat16, 2 * block + 777, seed=sub, kind="normal").to(gpu.dev)

@@ -922,12 +922,13 @@ __device__ __forceinline__ void put_bits(u32 code, u32 len, u64 &acc, u32 &nacc,
     put_bits(((ta) & 0xFFFFu) | (((tb) & 0xFFFFu) << ((ta) >> 16)), ((ta) >> 16) + ((tb) >> 16), acc, nacc, wb32, \
              wi, head, started)
 
-/* Encodes the symbols [s0, s0 + cnt) of each lane of a group of G lanes (a warp, or half of
- * one), `bits` code bits, as one sub-stream (LSB first, as cpu_codec.c's encode_stream) into
- * the group's buffer: lanes take consecutive runs and a scan of their bit counts over the
- * group places each run. Only the words two lanes share (each run's first and last) need
- * zeroing first; every other word is stored whole by the lane that owns it. All 32 lanes of
- * the warp call it together (a group with no sub-stream passes cnt = bits = 0). */
+/* Encodes the symbols [s0, s0 + cnt) of each lane of a group of G lanes (a warp, or a half or
+ * a quarter of one), `bits` code bits, as one sub-stream (LSB first, as cpu_codec.c's
+ * encode_stream) into the group's buffer: lanes take consecutive runs and a scan of their bit
+ * counts over the group places each run. Only the words two lanes share (each run's first
+ * and last) need zeroing first; every other word is stored whole by the lane that owns it.
+ * All 32 lanes of the warp call it together (a group with no sub-stream passes cnt = bits =
+ * 0). */
 __device__ void encode_substream(const u8 *E, u32 s0, u32 cnt, u32 bits, const CodeTables &ct, u32 *wb32, u32 G) {
     const u32 gl = threadIdx.x & (G - 1);
     u32 incl = bits;
@@ -1187,10 +1188,10 @@ __device__ void enc_block(const u8 *src, u64 numel, u32 be, u32 S, u8 *out, u64 
     const u32 pmode = sm.plane_mode, k = sm.k;
     /* a group of G lanes per sub-stream, a lane per run of S / G symbols, as the writer will
      * place them; each run's bits are kept for the writer when they fit (always at the default
-     * sizes). G is a warp, or a half warp for sub-streams of 128 symbols or fewer: a lane's run
-     * stays at 8 symbols (the writer's fast path), and a small block's 32 sub-streams take one
-     * round of 16 warps, not two (round 11). */
-    const u32 G = S <= 128 ? 16u : 32u, spw = 32 / G, gl = lane & (G - 1), sub = lane / G;
+     * sizes). G is a warp, or S / 8 lanes (a half or a quarter warp) for shorter sub-streams:
+     * a lane's run stays at 8 symbols (the writer's fast path), and a small block's 32 or 64
+     * sub-streams take one round of 16 warps, not two or four (round 11). */
+    const u32 G = S >= 256 ? 32u : S >= 128 ? 16u : 8u, spw = 32 / G, gl = lane & (G - 1), sub = lane / G;
     const u32 per = S / G;
     const bool wide_runs = per * MAX_CODE_LEN > 0xFF;
     const bool keep_runs = k * 32u * (wide_runs ? 2u : 1u) <= RUNS_BYTES;
@@ -1319,11 +1320,12 @@ __device__ void enc_block(const u8 *src, u64 numel, u32 be, u32 S, u8 *out, u64 
         if (huff) { /* a group of G lanes per sub-stream, each copied out whole */
             u8 *sec = dst + sm.data_off[hp];
             const bool fuse_hash = be <= FUSE_HASH_MAX_BLOCK;
-            /* a half warp's buffer is half the warp's: at most 128 x 11 bits, 44 words */
-            u32 *wb32 = (u32 *)(wbufs + warp * WBUF_BYTES) + sub * (WBUF_BYTES / 8);
+            /* a group's buffer is its share of the warp's: at most S x 11 bits, 44 words for
+             * a half warp (S = 128) and 22 for a quarter (S = 64) */
+            u32 *wb32 = (u32 *)(wbufs + warp * WBUF_BYTES) + sub * (WBUF_BYTES / 4 / spw);
             for (u32 j0 = warp * spw; j0 < k; j0 += NW * spw) {
                 const u32 j = j0 + sub;
-                const bool live = j < k; /* a half warp past the last sub-stream writes nothing */
+                const bool live = j < k; /* a group past the last sub-stream writes nothing */
                 u32 start = live ? sm.sbytes[j] : 0u, stop = !live ? 0u : j + 1 < k ? sm.sbytes[j + 1] : sm.huff_total;
                 const u32 s0 = j * S + gl * per, cnt = run_count(live, s0, n, per);
                 u32 bits = !live       ? 0u
