@@ -1,8 +1,9 @@
 #!/bin/bash
 # A/B of kernel builds in one device call (METHOD.md: compare only within one run). Each
-# variant is NAME=TREE:CUBIN: a source tree (its launcher, cuda.py, must match the cubin; "."
+# variant is NAME=TREE:CUBIN[:VAR=VALUE,...]: a source tree (its launcher, cuda.py, must match the cubin; "."
 # is the working tree, an older one is e.g. `git archive BASE uzip_serve benchmarks setup.py
-# pyproject.toml tests` unpacked under .gpudata/) and a cubin built by benchmarks/nvrtc_cubin.py.
+# pyproject.toml tests` unpacked under .gpudata/), a cubin built by benchmarks/nvrtc_cubin.py,
+# and settings for its runs (e.g. UZIP_GPU_SUBSTREAM=64 for frames of other sub-streams).
 # Carry [".gpudata"] (and ".whl" for nvCOMP), then e.g.
 #   VARIANTS="base=.gpudata/base:.gpudata/base.cubin new=.:.gpudata/new.cubin" \
 #   PHASES="base=.gpudata/base:.gpudata/base_phases.cubin" bash benchmarks/codec_gpu_ab_device.sh
@@ -25,10 +26,13 @@ if [ "${TESTS:-1}" = 1 ]; then
     PYTHONPATH=/tmp/site:$ROOT timeout ${TESTS_S:-240} python3 -m pytest -q -x -p no:cacheprovider \
         tests/test_codec_gpu.py -k cuda 2>&1 | tee "$OUT/tests.log" | tail -4
 fi
-run() { # NAME=TREE:CUBIN, then benchmark arguments
-    local name=${1%%=*} spec=${1#*=}; shift
-    local tree=${spec%%:*} cubin=$ROOT/${spec#*:}
-    (cd "$tree" && PYTHONPATH=/tmp/site:$PWD UZIP_CUDA_CUBIN=$cubin python3 -m benchmarks.codec_gpu --data "$ROOT/.gpudata/real.safetensors" "$@")
+run() { # NAME=TREE:CUBIN[:VAR=VALUE,...], then benchmark arguments
+    local spec=${1#*=}; shift
+    local tree=${spec%%:*} rest=${spec#*:}
+    local cubin=$ROOT/${rest%%:*} vars=
+    [ "$rest" != "${rest#*:}" ] && vars=${rest#*:}
+    (cd "$tree" && env ${vars//,/ } PYTHONPATH=/tmp/site:$PWD UZIP_CUDA_CUBIN=$cubin \
+        python3 -m benchmarks.codec_gpu --data "$ROOT/.gpudata/real.safetensors" "$@")
 }
 for round in 1 2; do
     for v in $VARIANTS; do
