@@ -384,6 +384,7 @@ def main(argv=None):
     ap.add_argument("--profile", action="store_true", help="per-kernel GPU times at 1 MiB and 256 MiB")
     ap.add_argument("--once", type=int, metavar="MIB",
                     help="one warm-up, then one compress and one decompress of MIB of bf16: a target for ncu")
+    ap.add_argument("--once-nvcomp", action="store_true", help="with --once: nvCOMP's batched ANS as well")
     ap.add_argument("--sweep", metavar="BE:S,...",
                     help="block and sub-stream sizes to compare (graph times and ratio, bf16 N(0, 0.02) and "
                          "Gemma-3 weights), e.g. 4096:128,65536:256; writes codec_gpu_sweep.json")
@@ -397,7 +398,7 @@ def main(argv=None):
     if args.profile:
         return profile_kernels()
     if args.once:
-        return once(args.once * MiB)
+        return once(args.once * MiB, args.once_nvcomp)
     if args.sweep:
         return sweep([int(s) * MiB for s in args.sizes.split(",")], args.sweep, args.repeats, args.data,
                      Path(args.out))
@@ -538,9 +539,12 @@ def sweep(sizes, spec: str, repeats: int, data: str, out: Path) -> None:
     (out / "codec_gpu_sweep.json").write_text(json.dumps({"machine": machine(), "rows": rows}, indent=1))
 
 
-def once(size):
+def once(size, with_nvcomp=False):
     """Under ncu: `ncu --launch-skip 2 --launch-count 2 -k regex:uz_ python -m benchmarks.codec_gpu --once 64`
-    profiles exactly one compress and one decompress after a warm-up of each."""
+    profiles exactly one compress and one decompress after a warm-up of each. With
+    `--once-nvcomp`, nvCOMP's batched ANS follows on the same tensor, and each library's
+    measured calls sit in an NVTX range ("uz", "nvcomp") that `ncu --nvtx --nvtx-include`
+    selects, whatever nvCOMP's kernels are called."""
     x = (torch.randn(size // 2, device="cuda") * 0.02).to(torch.bfloat16)
     out = torch.empty(uz.max_compressed_size(size, x.dtype), dtype=torch.uint8, device="cuda")
     size_t = torch.zeros(1, dtype=torch.int64, device="cuda")
@@ -549,10 +553,24 @@ def once(size):
     hdr = uz.read_header(out[:n].cpu().numpy().tobytes())
     y = torch.empty_like(x)
     codec.decompress_device(out[:n], header=hdr, out=y, check=False)
+    torch.cuda.nvtx.range_push("uz")
     codec.compress_device_async(x, out, size_t)
     codec.decompress_device(out[:n], header=hdr, out=y, check=False)
+    torch.cuda.nvtx.range_pop()
     torch.cuda.synchronize()
     print("exact:", torch.equal(y.view(torch.uint8), x.view(torch.uint8)))
+    if with_nvcomp:
+        from benchmarks.nvcomp_batched import BatchedANS, hint
+
+        c = BatchedANS(size, hint(x.dtype))
+        c.compress(x)
+        c.decompress(y)
+        torch.cuda.nvtx.range_push("nvcomp")
+        c.compress(x)
+        c.decompress(y)
+        torch.cuda.nvtx.range_pop()
+        torch.cuda.synchronize()
+        print("nvcomp exact:", torch.equal(y.view(torch.uint8), x.view(torch.uint8)))
 
 
 def profile_kernels():
