@@ -153,15 +153,15 @@ def test_small_tensors_take_small_blocks(gpu):
     h = uz.read_header(gframe)
     assert h.block_elems == fmt.small_block_elems(150_000) == fmt.SMALL_BLOCK_ELEMS
     assert h.num_blocks == 37
-    assert h.substream_elems == 128  # the shortest decode chains for the smallest blocks
+    assert h.substream_elems == 64  # the shortest decode chains for the smallest blocks
 
 
 def test_substream_length_follows_tensor_size(monkeypatch):
-    """128 symbols per sub-stream in blocks of up to 8192 elements, 256 up to 8 MiB, then 512;
-    the environment override wins and is checked."""
+    """64 symbols per sub-stream in 4096-element blocks, 128 in 8192-element blocks, 256 up
+    to 8 MiB, then 512; the environment override wins and is checked."""
     monkeypatch.delenv("UZIP_GPU_SUBSTREAM", raising=False)
-    for nbytes, itemsize, want in ((2, 2, 128), (1 << 20, 2, 128), (6 << 20, 2, 128), (6 << 20, 1, 256),
-                                   (8 << 20, 2, 512), (1 << 30, 2, 512)):
+    for nbytes, itemsize, want in ((2, 2, 64), (1 << 20, 2, 64), ((4 << 20) - 2, 2, 64), (4 << 20, 2, 128),
+                                   (6 << 20, 2, 128), (6 << 20, 1, 256), (8 << 20, 2, 512), (1 << 30, 2, 512)):
         be = fmt.small_block_elems(nbytes // itemsize)
         assert kc.encoder_substream(nbytes, be) == want, (nbytes, be)
     monkeypatch.setenv("UZIP_GPU_SUBSTREAM", "1024")

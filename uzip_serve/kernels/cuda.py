@@ -103,12 +103,17 @@ def encoder_substream(nbytes: int, block_elems: int) -> int:
         return s
     if nbytes >= 8 << 20:
         return 512
+    if block_elems <= fmt.SMALL_BLOCK_ELEMS:
+        # the smallest blocks (tensors under 2M elements): a frame is one wave of blocks, so
+        # one decode chain is the decoder's latency. 64 against 128 (H100, round 13, GPU time
+        # in a graph, compress + decompress): 1 MiB bf16 29.2 against 30.5 us, for 1.4% more
+        # bytes
+        return 64
     if block_elems <= 2 * fmt.SMALL_BLOCK_ELEMS:
-        # the small blocks (tensors under 4M elements): a frame is about one wave of blocks,
-        # so one decode chain is the decoder's latency. 128 against 256 (H100, round 11, GPU
-        # time in a graph, compress + decompress): 1 MiB bf16 34.5 against 35.6 us on
-        # N(0, 0.02) and 47.2 against 52.8 us on Gemma-3 weights; 4 MiB (8192-element blocks)
-        # 44.8 against 49.1-49.8 us; for 0.5-0.7% more bytes
+        # tensors under 4M elements: 128 against 256 (H100, round 11): 1 MiB bf16 34.5
+        # against 35.6 us on N(0, 0.02) and 47.2 against 52.8 us on Gemma-3 weights; 4 MiB
+        # (8192-element blocks) 44.8 against 49.1-49.8 us; for 0.5-0.7% more bytes. (64 at
+        # 4 MiB, round 13: 37.4 against 38.7 us for 1.4% more bytes, not taken.)
         return 128
     return 256
 
