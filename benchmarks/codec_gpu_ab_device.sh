@@ -1,9 +1,10 @@
 #!/bin/bash
 # A/B of kernel builds in one device call (METHOD.md: compare only within one run). Each
-# variant is NAME=TREE:CUBIN[:VAR=VALUE,...]: a source tree (its launcher, cuda.py, must match the cubin; "."
-# is the working tree, an older one is e.g. `git archive BASE uzip_serve benchmarks setup.py
-# pyproject.toml tests` unpacked under .gpudata/), a cubin built by benchmarks/nvrtc_cubin.py,
-# and settings for its runs (e.g. UZIP_GPU_SUBSTREAM=64 for frames of other sub-streams).
+# variant is NAME=TREE:CUBIN[:VAR=VALUE,...]: a source tree (its launcher, cuda.py, must match
+# the cubin; "." is the working tree, an older one is e.g. `git archive BASE uzip_serve
+# benchmarks setup.py pyproject.toml tests` unpacked under .gpudata/), a cubin built by
+# benchmarks/nvrtc_cubin.py, and settings for its runs (e.g. UZIP_GPU_SUBSTREAM=64 for frames
+# of other sub-streams).
 # Carry [".gpudata"] (and ".whl" for nvCOMP), then e.g.
 #   VARIANTS="base=.gpudata/base:.gpudata/base.cubin new=.:.gpudata/new.cubin" \
 #   PHASES="base=.gpudata/base:.gpudata/base_phases.cubin" bash benchmarks/codec_gpu_ab_device.sh

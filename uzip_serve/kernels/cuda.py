@@ -110,10 +110,11 @@ def encoder_substream(nbytes: int, block_elems: int) -> int:
         # bytes
         return 64
     if block_elems <= 2 * fmt.SMALL_BLOCK_ELEMS:
-        # tensors under 4M elements: 128 against 256 (H100, round 11): 1 MiB bf16 34.5
-        # against 35.6 us on N(0, 0.02) and 47.2 against 52.8 us on Gemma-3 weights; 4 MiB
-        # (8192-element blocks) 44.8 against 49.1-49.8 us; for 0.5-0.7% more bytes. (64 at
-        # 4 MiB, round 13: 37.4 against 38.7 us for 1.4% more bytes, not taken.)
+        # 8192-element blocks (tensors of 2M to 4M elements). 128 against 256 (H100, round
+        # 11, GPU time in a graph, compress + decompress): 4 MiB bf16 44.8 against 49.1-49.8
+        # us, for 0.5-0.7% more bytes (and 1 MiB, in 4096-element blocks then, 34.5 against
+        # 35.6 us). 64 here (round 13): 37.4 against 38.7 us at 4 MiB for 1.4% more bytes,
+        # not taken.
         return 128
     return 256
 

@@ -1190,7 +1190,7 @@ __device__ void enc_block(const u8 *src, u64 numel, u32 be, u32 S, u8 *out, u64 
      * place them; each run's bits are kept for the writer when they fit (always at the default
      * sizes). G is a warp, or S / 8 lanes (a half or a quarter warp) for shorter sub-streams:
      * a lane's run stays at 8 symbols (the writer's fast path), and a small block's 32 or 64
-     * sub-streams take one round of 16 warps, not two or four (round 11). */
+     * sub-streams take one round of 16 warps, not two or four (rounds 11 and 13). */
     const u32 G = S >= 256 ? 32u : S >= 128 ? 16u : 8u, spw = 32 / G, gl = lane & (G - 1), sub = lane / G;
     const u32 per = S / G;
     const bool wide_runs = per * MAX_CODE_LEN > 0xFF;
