@@ -27,13 +27,16 @@ if [ "${TESTS:-1}" = 1 ]; then
     PYTHONPATH=/tmp/site:$ROOT timeout ${TESTS_S:-240} python3 -m pytest -q -x -p no:cacheprovider \
         tests/test_codec_gpu.py -k cuda 2>&1 | tee "$OUT/tests.log" | tail -4
 fi
-run() { # NAME=TREE:CUBIN[:VAR=VALUE,...], then benchmark arguments
+in_variant() { # NAME=TREE:CUBIN[:VAR=VALUE,...], then a command to run in TREE with that cubin
     local spec=${1#*=}; shift
     local tree=${spec%%:*} rest=${spec#*:}
     local cubin=$ROOT/${rest%%:*} vars=
     [ "$rest" != "${rest#*:}" ] && vars=${rest#*:}
-    (cd "$tree" && env ${vars//,/ } PYTHONPATH=/tmp/site:$PWD UZIP_CUDA_CUBIN=$cubin \
-        python3 -m benchmarks.codec_gpu --data "$ROOT/.gpudata/real.safetensors" "$@")
+    (cd "$tree" && env ${vars//,/ } PYTHONPATH=/tmp/site:$PWD UZIP_CUDA_CUBIN=$cubin "$@")
+}
+run() { # a variant, then benchmark arguments
+    local v=$1; shift
+    in_variant "$v" python3 -m benchmarks.codec_gpu --data "$ROOT/.gpudata/real.safetensors" "$@"
 }
 for round in 1 2; do
     for v in $VARIANTS; do
@@ -46,13 +49,12 @@ for v in $PHASES; do
     echo "--- phases: ${v%%=*}"
     run "$v" --phases --sizes "${PHASE_SIZES:-1,1024}" --repeats 5 2>&1
 done
-# NCU="NAME=TREE:CUBIN ...": shared-memory bank conflicts and instructions of the bf16 kernels
-# at 64 MiB (one compress and one decompress after a warm-up; Nsight Compute on the device).
+# NCU="VARIANT ...": shared-memory bank conflicts and instructions of the bf16 kernels at
+# 64 MiB (one compress and one decompress after a warm-up; Nsight Compute on the device).
 for v in $NCU; do
     echo "--- ncu: ${v%%=*}"
-    spec=${v#*=}
-    (cd "${spec%%:*}" && PYTHONPATH=/tmp/site:$PWD UZIP_CUDA_CUBIN=$ROOT/${spec#*:} timeout 120 ncu --clock-control none \
+    in_variant "$v" timeout 120 ncu --clock-control none \
         --metrics gpu__time_duration.sum,smsp__inst_executed.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_st.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum \
         -k regex:"uz_(enc|dec)_bf16" --launch-skip 2 --launch-count 2 python3 -m benchmarks.codec_gpu --once 64 2>&1 \
-        | grep -E "uz_|duration|inst_executed|wavefronts|conflicts")
+        | grep -E "uz_|duration|inst_executed|wavefronts|conflicts"
 done
