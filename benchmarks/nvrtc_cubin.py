@@ -25,6 +25,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="write the cubin here")
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("-D", action="append", default=[], help="extra defines, e.g. -D UZ_PHASES")
+    ap.add_argument("--lineinfo", action="store_true",
+                    help="keep source lines, for `nvdisasm -g` (the nvidia-cuda-nvdisasm wheel): SASS per line")
     args = ap.parse_args(argv)
     lib = ctypes.CDLL(args.nvrtc)
     prog = ctypes.c_void_p()
@@ -33,6 +35,7 @@ def main(argv=None) -> int:
     # the options cuda.py compiles with, plus the target and ptxas's report
     opts = [b"-std=c++17", f"-arch={args.arch}".encode(), b"--ptxas-options=-v"]
     opts += [f"-D{d}".encode() for d in args.D]
+    opts += [b"-lineinfo"] if args.lineinfo else []
     rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
     n = ctypes.c_size_t()
     lib.nvrtcGetProgramLogSize(prog, ctypes.byref(n))
