@@ -742,8 +742,12 @@ __device__ u32 read_entry(const u8 *frame, u64 table_off, u64 payload_len, u32 b
 
 /* ---- encoder ---- */
 
+/* The histogram's counters: a u32 per symbol and lane, 32 KB. They fill the warp buffers and
+ * run on into the first fields of EncShared, which step 1 does not touch (asserted below). */
+#define HIST_BYTES (256 * 32 * 4)
+
 struct EncShared {
-    CodeTables ct;
+    /* first: the fields under the histogram's end, none used before step 2 has read it */
     union {
         struct {
             u32 w[512];      /* build_lengths: node weights */
@@ -754,17 +758,20 @@ struct EncShared {
          * symbols), counted once by the size pass and used again to place the runs */
         u8 runs[RUNS_BYTES];
     };
+    __align__(16) u8 hdr[HDR_BYTES]; /* mode byte and plane headers, zero padded */
+    u32 sbytes[LUT_SIZE / 2]; /* per sub-stream bytes, then their start offsets (k <= 1024) */
+    CodeTables ct;
     u32 count[64];   /* build_lengths: leaves per depth */
     u32 used_mask[8];
     u32 wbits[8];    /* code bits of the entropy plane, per warp of symbols */
-    u32 sbytes[LUT_SIZE / 2]; /* per sub-stream bytes, then their start offsets (k <= 1024) */
     u32 wsum[NW];
     u64 red[2 * NW];
-    __align__(16) u8 hdr[HDR_BYTES]; /* mode byte and plane headers, zero padded */
     u32 data_off[16];
     u32 ticket, plane_mode, value, lo, hi, k, huff_total, hdr_nbytes, size, raw_block;
     u64 base;
 };
+static_assert(NW * WBUF_BYTES + RUNS_BYTES + HDR_BYTES + 4 * (LUT_SIZE / 2) >= HIST_BYTES,
+              "the histogram overruns a field of EncShared that step 1 uses");
 
 /* In-place exclusive scan of a[0, n) (n <= 2 * NT) in shared memory; returns the total. */
 __device__ u32 block_scan(u32 *a, u32 n, u32 *wsum) {
@@ -881,7 +888,8 @@ __device__ __forceinline__ void load_chunk(const u8 *in, u32 c, u32 nbytes, uint
 /* The code bits of symbols E[s0, s0 + cnt): lengths from a 256-entry table; the symbols are
  * read 8 at a time (a lane's run is 8 or 16 at 256 or 512 symbols per sub-stream) so the
  * lookups are independent loads. */
-__device__ __forceinline__ u32 run_bits(const u8 *E, u32 s0, u32 cnt, const u8 *len) {
+__device__ __forceinline__ u32 run_bits(const u8 *E, u32 s0, u32 cnt, const CodeTables &ct) {
+    const u8 *len = ct.len;
     u32 bits = 0;
     if ((cnt & 7) == 0 && (s0 & 7) == 0) {
         for (u32 i = 0; i < cnt; i += 8) {
@@ -889,7 +897,8 @@ __device__ __forceinline__ u32 run_bits(const u8 *E, u32 s0, u32 cnt, const u8 *
             const u32 w[2] = {v.x, v.y};
 #pragma unroll
             for (int q = 0; q < 2; q++)
-                bits += len[w[q] & 0xFF] + len[(w[q] >> 8) & 0xFF] + len[(w[q] >> 16) & 0xFF] + len[w[q] >> 24];
+                bits += len[__byte_perm(w[q], 0u, 0x4440)] + len[__byte_perm(w[q], 0u, 0x4441)] +
+                        len[__byte_perm(w[q], 0u, 0x4442)] + len[__byte_perm(w[q], 0u, 0x4443)];
         }
     } else {
         for (u32 i = 0; i < cnt; i++) bits += len[E[s0 + i]];
@@ -897,36 +906,33 @@ __device__ __forceinline__ u32 run_bits(const u8 *E, u32 s0, u32 cnt, const u8 *
     return bits;
 }
 
-/* Appends `len` code bits (at most 22: two codes) to a lane's bit accumulator and stores each
- * full word. Words strictly inside the lane's run are the lane's alone: a plain store, which
- * the compiler predicates. The run's first word is shared with the lane before: it is kept in
- * `head` and OR-ed in at the end, like the last one. (A branch around an atomicOr per full word
- * was a third of the encoder's instructions, with every lane waiting for every flush.) */
-__device__ __forceinline__ void put_bits(u32 code, u32 len, u64 &acc, u32 &nacc, u32 *wb32, u32 &wi, u32 &head,
-                                         bool &started) {
-    acc |= (u64)code << nacc;
+/* Appends `len` code bits (at most 22: two codes) to a lane's 32-bit accumulator and stores
+ * each word it fills with a plain store, the run's first word too: the bits of the lanes
+ * before that share it are zeros here, and they OR theirs in after the warp's barrier (a word
+ * is filled by one lane only, the one that writes its top bit). Round 14 dropped the `head`
+ * and `started` logic for that first word and the 64-bit accumulator: 15 instructions a pair
+ * of codes where there were 25 (SASS of the sm_90 build). */
+__device__ __forceinline__ void put_bits(u32 code, u32 len, u32 &acc, u32 &nacc, u8 *smem, u32 &wa) {
+    acc |= code << nacc;
     nacc += len;
-    const bool full = nacc >= 32;
-    const u32 lo = (u32)acc;
-    if (full && started) wb32[wi] = lo;
-    head = full && !started ? lo : head;
-    started = started || full;
-    wi += full ? 1u : 0u;
-    acc = full ? acc >> 32 : acc;
-    nacc = full ? nacc - 32 : nacc;
+    if (nacc >= 32) {
+        *(u32 *)(smem + wa) = acc;
+        wa += 4;
+        nacc -= 32;
+        acc = code >> (len - nacc); /* the bits that did not fit */
+    }
 }
 
 /* Two codes (t: bits | length << 16, as CodeTables::tab) in one accumulator update: with at
  * most 31 bits pending and 22 added, one word at most fills. */
 #define UZ_PUT_PAIR(ta, tb) \
-    put_bits(((ta) & 0xFFFFu) | (((tb) & 0xFFFFu) << ((ta) >> 16)), ((ta) >> 16) + ((tb) >> 16), acc, nacc, wb32, \
-             wi, head, started)
+    put_bits(((ta) & 0xFFFFu) | (((tb) & 0xFFFFu) << ((ta) >> 16)), ((ta) >> 16) + ((tb) >> 16), acc, nacc, smem, wa)
 
 /* Encodes the symbols [s0, s0 + cnt) of each lane of a group of G lanes (a warp, or a half or
  * a quarter of one), `bits` code bits, as one sub-stream (LSB first, as cpu_codec.c's
  * encode_stream) into the group's buffer: lanes take consecutive runs and a scan of their bit
- * counts over the group places each run. Only the words two lanes share (each run's first
- * and last) need zeroing first; every other word is stored whole by the lane that owns it.
+ * counts over the group places each run. Every word is stored whole by the lane that fills it,
+ * except the stream's last, which only the lanes' closing ORs write: it is zeroed first.
  * All 32 lanes of the warp call it together (a group with no sub-stream passes cnt = bits =
  * 0). */
 __device__ void encode_substream(const u8 *E, u32 s0, u32 cnt, u32 bits, const CodeTables &ct, u32 *wb32, u32 G) {
@@ -937,20 +943,18 @@ __device__ void encode_substream(const u8 *E, u32 s0, u32 cnt, u32 bits, const C
         if (gl >= o) incl += t;
     }
     const u32 off = incl - bits;
-    wb32[off >> 5] = 0;
     wb32[incl >> 5] = 0;
     __syncwarp();
-    u32 nacc = off & 31, wi = off >> 5, head = 0;
-    bool started = false;
-    u64 acc = 0;
+    UZ_DYN_SMEM(smem); /* the words by their offset in shared memory: one add a word, not three */
+    u32 nacc = off & 31, acc = 0, wa = (u32)((u8 *)wb32 - smem) + 4 * (off >> 5);
     if ((cnt & 7) == 0 && (s0 & 7) == 0) {
         for (u32 i = 0; i < cnt; i += 8) {
             const uint2 v = *(const uint2 *)(E + s0 + i);
             const u32 w[2] = {v.x, v.y};
 #pragma unroll
             for (int q = 0; q < 2; q++) {
-                u32 t0 = ct.tab[w[q] & 0xFF], t1 = ct.tab[(w[q] >> 8) & 0xFF], t2 = ct.tab[(w[q] >> 16) & 0xFF],
-                    t3 = ct.tab[w[q] >> 24];
+                u32 t0 = ct.tab[__byte_perm(w[q], 0u, 0x4440)], t1 = ct.tab[__byte_perm(w[q], 0u, 0x4441)],
+                    t2 = ct.tab[__byte_perm(w[q], 0u, 0x4442)], t3 = ct.tab[__byte_perm(w[q], 0u, 0x4443)];
                 UZ_PUT_PAIR(t0, t1);
                 UZ_PUT_PAIR(t2, t3);
             }
@@ -966,9 +970,8 @@ __device__ void encode_substream(const u8 *E, u32 s0, u32 cnt, u32 bits, const C
             UZ_PUT_PAIR(t0, 0u);
         }
     }
-    __syncwarp(); /* every lane's own words are in before the shared ones are OR-ed */
-    if (started) atomicOr(&wb32[off >> 5], head);
-    if (nacc) atomicOr(&wb32[wi], (u32)acc);
+    __syncwarp(); /* every whole word is in before the shared ones are OR-ed */
+    if (nacc) atomicOr((u32 *)(smem + wa), acc);
     __syncwarp();
 }
 #undef UZ_PUT_PAIR
@@ -1027,7 +1030,7 @@ __device__ void enc_block(const u8 *src, u64 numel, u32 be, u32 S, u8 *out, u64 
     UZ_DYN_SMEM(smem);
     u8 *E = smem;
     u8 *wbufs = smem + be;
-    u32 *hist32 = (u32 *)wbufs; /* 128 words (two u16 counters each) x 32 lanes */
+    u32 *hist32 = (u32 *)wbufs; /* HIST_BYTES: symbol s, lane l at word 32 s + l */
     EncShared &sm = *(EncShared *)(wbufs + NW * WBUF_BYTES);
     CodeTables &ct = sm.ct;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -1044,8 +1047,7 @@ __device__ void enc_block(const u8 *src, u64 numel, u32 be, u32 S, u8 *out, u64 
     const u32 gn = g < nblocks ? (u32)(numel - gfirst < be ? numel - gfirst : be) : 0u;
     const bool small = L::ITEM <= 2 && (gn + 15) / 16 <= NT; /* (4-byte items: 16 registers more spilled) */
     if (small && (u32)tid < (gn + 15) / 16) load_chunk<L::ITEM>(src + gfirst * L::ITEM, tid, gn * L::ITEM, pre);
-    for (int i = tid; i < 128 * 32; i += NT) hist32[i] = 0;
-    for (int i = tid; i < HDR_BYTES / 4; i += NT) ((u32 *)sm.hdr)[i] = 0;
+    for (int i = tid; i < HIST_BYTES / 16; i += NT) ((uint4 *)hist32)[i] = zero4();
     __syncthreads();
     const u32 b = sm.ticket;
     const bool hit = small && b == g;
@@ -1061,7 +1063,13 @@ __device__ void enc_block(const u8 *src, u64 numel, u32 be, u32 S, u8 *out, u64 
     const int hp = L::HPLANE < 0 ? 0 : L::HPLANE;
 
     /* 1. read the block (two chunks in flight per thread): its hash, its entropy plane into
-     *    E, the plane's histogram in per-lane counters (one bank per lane: no conflicts) */
+     *    E, the plane's histogram in per-lane counters (one bank per lane: no conflicts; u32,
+     *    so a count is a byte permute, an address and the atomic: two u16 per word took 7
+     *    instructions a symbol, and it was a fifth of the encoder's) */
+    /* (lane through a shuffle, which the compiler cannot see through: it would fold the
+     * lane into each symbol's index, two instructions more a symbol than one shift-add) */
+    const u32 hlane = __shfl_sync(0xffffffffu, 4u * lane, lane); /* the lane's column, in bytes */
+    auto count = [&](u32 sym) { atomicAdd((u32 *)((u8 *)hist32 + (sym * 128u + hlane)), 1u); };
     u64 h_orig = 0, h_pay = 0;
     constexpr int F = L::ITEM > 2 ? 2 : 4; /* chunks in flight per thread, within 64 registers */
     /* A block of at most NT chunks with two planes (bf16, fp16) keeps its chunk's RAW plane in
@@ -1071,7 +1079,7 @@ __device__ void enc_block(const u8 *src, u64 numel, u32 be, u32 S, u8 *out, u64 
     const bool kept = KP >= 0 && coded && nchunks <= NT;
     uint4 keep = zero4();
     /* chunk c: its share of the hash, its entropy symbols into E and the histogram */
-    auto take = [&](const uint4 *v, u32 c, bool first) {
+    auto take = [&](const uint4 *v, u32 c, bool first, bool whole) {
 #pragma unroll
         for (int i = 0; i < L::ITEM; i++) h_orig += uzh_chunk(v[i], L::ITEM * c + i);
         if (coded) {
@@ -1080,23 +1088,28 @@ __device__ void enc_block(const u8 *src, u64 numel, u32 be, u32 S, u8 *out, u64 
             const uint4 sy = pl[hp];
             *(uint4 *)(E + 16 * c) = sy;
             if (KP >= 0 && first) keep = pl[KP < 0 ? 0 : KP];
-            const u32 cnt = n - 16 * c < 16 ? n - 16 * c : 16;
+            const u32 cnt = whole || n - 16 * c >= 16 ? 16 : n - 16 * c;
             if (cnt == 16) { /* every chunk but a block's last: no per-symbol branches */
+                const u32 w[4] = {sy.x, sy.y, sy.z, sy.w};
 #pragma unroll
-                for (u32 i = 0; i < 16; i++) {
-                    u32 sym = byte_of(sy, i);
-                    atomicAdd(&hist32[(sym >> 1) * 32 + lane], 1u << (16 * (sym & 1)));
-                }
+                for (int i = 0; i < 16; i++) count(__byte_perm(w[i >> 2], 0u, 0x4440 | (i & 3)));
             } else {
-                for (u32 i = 0; i < cnt; i++) {
-                    u32 sym = byte_of(sy, i);
-                    atomicAdd(&hist32[(sym >> 1) * 32 + lane], 1u << (16 * (sym & 1)));
-                }
+                for (u32 i = 0; i < cnt; i++) count(byte_of(sy, i));
             }
         }
     };
     if (hit) { /* a chunk per thread at most, loaded before the ticket */
-        if ((u32)tid < nchunks) take(pre, tid, true);
+        if ((u32)tid < nchunks) take(pre, tid, true, false);
+    } else if (n % 16 == 0 && nchunks % (F * NT) == 0) { /* whole rounds of whole chunks: no bounds */
+        for (u32 c0 = tid; c0 < nchunks; c0 += F * NT) {
+            uint4 v[F][L::ITEM];
+#pragma unroll
+            for (int h = 0; h < F; h++)
+#pragma unroll
+                for (int i = 0; i < L::ITEM; i++) v[h][i] = ((const uint4 *)in)[L::ITEM * (c0 + h * NT) + i];
+#pragma unroll
+            for (int h = 0; h < F; h++) take(v[h], c0 + h * NT, h == 0, true);
+        }
     } else {
         for (u32 c0 = tid; c0 < nchunks; c0 += F * NT) {
             uint4 v[F][L::ITEM];
@@ -1105,7 +1118,7 @@ __device__ void enc_block(const u8 *src, u64 numel, u32 be, u32 S, u8 *out, u64 
                 if (c0 + h * NT < nchunks) load_chunk<L::ITEM>(in, c0 + h * NT, nbytes, v[h]);
 #pragma unroll
             for (int h = 0; h < F; h++)
-                if (c0 + h * NT < nchunks) take(v[h], c0 + h * NT, h == 0);
+                if (c0 + h * NT < nchunks) take(v[h], c0 + h * NT, h == 0, false);
         }
     }
     __syncthreads();
@@ -1116,7 +1129,7 @@ __device__ void enc_block(const u8 *src, u64 numel, u32 be, u32 S, u8 *out, u64 
     if (coded) {
         if (tid < 256) {
             u32 c = 0;
-            for (int l = 0; l < 32; l++) c += (hist32[(tid >> 1) * 32 + ((l + tid) & 31)] >> (16 * (tid & 1))) & 0xFFFFu;
+            for (int l = 0; l < 32; l++) c += hist32[tid * 32 + ((l + tid) & 31)];
             ct.hist[tid] = c;
             ct.len[tid] = 0;
             u32 m = __ballot_sync(0xffffffffu, c != 0);
@@ -1168,7 +1181,9 @@ __device__ void enc_block(const u8 *src, u64 numel, u32 be, u32 S, u8 *out, u64 
     }
 
     /* 3. how the entropy plane is stored: CONST, HUFF when it beats RAW (cpu_codec.c's
-     *    plan_plane rule), else RAW; HUFF: each sub-stream's size, then their offsets */
+     *    plan_plane rule), else RAW; HUFF: each sub-stream's size, then their offsets. The
+     *    header is zeroed here, not earlier: the histogram's counters ran over it. */
+    for (int i = tid; i < HDR_BYTES / 16; i += NT) ((uint4 *)sm.hdr)[i] = zero4();
     if (tid == 0) {
         u32 mode = PLANE_RAW;
         if (coded && nused == 1) {
@@ -1199,7 +1214,7 @@ __device__ void enc_block(const u8 *src, u64 numel, u32 be, u32 S, u8 *out, u64 
     if (pmode == PLANE_HUFF) {
         for (u32 j0 = warp * spw; j0 < k; j0 += NW * spw) {
             const u32 j = j0 + sub, s0 = j * S + gl * per, cnt = run_count(j < k, s0, n, per);
-            u32 bits = run_bits(E, s0, cnt, ct.len);
+            u32 bits = run_bits(E, s0, cnt, ct);
             if (j < k && keep_runs && wide_runs) ((u16 *)sm.runs)[32 * j + gl] = (u16)bits;
             if (j < k && keep_runs && !wide_runs) sm.runs[32 * j + gl] = (u8)bits;
             if (G == 32)
@@ -1298,7 +1313,32 @@ __device__ void enc_block(const u8 *src, u64 numel, u32 be, u32 S, u8 *out, u64 
                 h_pay += uzh_chunk(v, (sm.data_off[p] >> 4) + c);
             }
         }
-        for (u32 c0 = kept ? nchunks : tid; c0 < nchunks; c0 += F * NT) { /* RAW planes: the block again, from L2 */
+        const bool whole = n % 16 == 0 && nchunks % (F * NT) == 0;
+        if (whole && !kept && pmode != PLANE_RAW) { /* the same for whole rounds, the coded plane not RAW */
+            u32 doff[L::NPLANES];
+#pragma unroll
+            for (int p = 0; p < L::NPLANES; p++) doff[p] = sm.data_off[p];
+            for (u32 c0 = tid; c0 < nchunks; c0 += F * NT) {
+                uint4 v[F][L::ITEM];
+#pragma unroll
+                for (int h = 0; h < F; h++)
+#pragma unroll
+                    for (int i = 0; i < L::ITEM; i++) v[h][i] = ((const uint4 *)in)[L::ITEM * (c0 + h * NT) + i];
+#pragma unroll
+                for (int h = 0; h < F; h++) {
+                    const u32 c = c0 + h * NT;
+                    uint4 pl[L::NPLANES];
+                    L::split(v[h], pl);
+#pragma unroll
+                    for (int p = 0; p < L::NPLANES; p++) {
+                        if (p == L::HPLANE) continue;
+                        *(uint4 *)(dst + doff[p] + 16 * c) = pl[p];
+                        h_pay += uzh_chunk(pl[p], (doff[p] >> 4) + c);
+                    }
+                }
+            }
+        }
+        for (u32 c0 = kept || (whole && pmode != PLANE_RAW) ? nchunks : tid; c0 < nchunks; c0 += F * NT) { /* RAW planes: the block again, from L2 */
             uint4 v[F][L::ITEM];
 #pragma unroll
             for (int h = 0; h < F; h++)
@@ -1329,7 +1369,7 @@ __device__ void enc_block(const u8 *src, u64 numel, u32 be, u32 S, u8 *out, u64 
                 u32 start = live ? sm.sbytes[j] : 0u, stop = !live ? 0u : j + 1 < k ? sm.sbytes[j + 1] : sm.huff_total;
                 const u32 s0 = j * S + gl * per, cnt = run_count(live, s0, n, per);
                 u32 bits = !live       ? 0u
-                           : !keep_runs ? run_bits(E, s0, cnt, ct.len)
+                           : !keep_runs ? run_bits(E, s0, cnt, ct)
                            : wide_runs  ? ((const u16 *)sm.runs)[32 * j + gl] : sm.runs[32 * j + gl];
                 encode_substream(E, s0, cnt, bits, ct, wb32, G);
                 if (fuse_hash)
