@@ -594,27 +594,34 @@ __device__ u32 build_lut(CodeTables &ct, u32 l, u32 *lut, u16 *single, u32 *flag
     return 0;
 }
 
-/* Decodes one sub-stream: bytes [start, stop) of a plane's data, `count` symbols into out.
- * `words` is the data as aligned 32-bit words (the HUFF section staged in shared memory, or
- * the frame), nwords of them; past them the last one is read again (bits past a stream's end
- * are never consumed by a valid stream, and a corrupt one fails the length check). Returns
- * true if the stream ends exactly at its length with valid codes. Like the CPU decoder it takes
- * up to three symbols per lookup while three more fit, then one at a time.
+/* Decodes one sub-stream: bytes [start, stop) of a plane's data, `count` symbols into
+ * base[o, o + count). `words` is the data as aligned 32-bit words (the HUFF section staged in
+ * shared memory, or the frame), nwords of them; past them the last one is read again (bits
+ * past a stream's end are never consumed by a valid stream, and a corrupt one fails the length
+ * check). Returns true if the stream ends exactly at its length with valid codes. Like the CPU
+ * decoder it takes up to three symbols per lookup while three more fit, then one at a time.
  *
  * The refill is one word ahead: `next` was loaded when the word before it was taken and is
  * read only when it is needed. A refill that loaded its word itself made a warp wait for the
  * load whenever one of its 32 streams refilled, i.e. at almost every lookup (350 cycles per
- * lookup instead of ~60; docs/gpu.md). */
-__device__ bool decode_substream(const u32 *words, u32 nwords, u32 start, u32 stop, u32 count, const u32 *lut,
-                                 const u16 *single, u8 *out) {
+ * lookup instead of ~60; docs/gpu.md). (So was a funnel-shifted window of two words, tried in
+ * round 14: ptxas loaded its next word into a temporary and moved it at once, which waits.)
+ * Round 14 counts the bits taken from where the reader stands, not per lookup, and stores
+ * the symbols at base + o, an offset into shared memory for the fast decoder: 28 instructions
+ * a lookup where there were 35 (SASS). */
+__device__ __forceinline__ bool decode_substream(const u32 *words, u32 nwords, u32 start, u32 stop, u32 count,
+                                                 const u32 *lut, const u16 *single, u8 *base, u32 o) {
     const u32 last = nwords - 1;
-    u32 wi = start >> 2;
+    const u32 wi0 = start >> 2;
+    u32 wi = wi0;
     const u32 sh = 8u * (start & 3u);
     u32 w0 = words[wi < last ? wi : last], w1 = words[wi + 1 < last ? wi + 1 : last];
     u32 next = words[wi + 2 < last ? wi + 2 : last];
     u64 buf = ((u64)w0 | ((u64)w1 << 32)) >> sh;
-    u32 nb = 64 - sh, consumed = 0, produced = 0, flags = 0;
+    u32 nb = 64 - sh, flags = 0;
     wi += 3;
+    const u32 oend = o + count;
+    const int o3 = (int)oend - 2; /* three symbols fit while o < o3 */
 #define UZ_REFILL()                                     \
     do {                                                \
         if (nb < 32) {                                  \
@@ -624,30 +631,31 @@ __device__ bool decode_substream(const u32 *words, u32 nwords, u32 start, u32 st
             wi++;                                       \
         }                                               \
     } while (0)
-    while (produced + 3 <= count) {
+    while ((int)o < o3) {
         UZ_REFILL();
-        u32 e = lut[buf & (LUT_SIZE - 1)];
-        out[produced] = (u8)e;
-        out[produced + 1] = (u8)(e >> 8);
-        out[produced + 2] = (u8)(e >> 16);
-        u32 used = e >> 27;
+        const u32 e = lut[buf & (LUT_SIZE - 1)];
+        u8 *q = base + o;
+        q[0] = (u8)e;
+        q[1] = (u8)(e >> 8);
+        q[2] = (u8)(e >> 16);
+        const u32 used = e >> 27;
         buf >>= used;
         nb -= used;
-        consumed += used;
-        produced += (e >> 25) & 3u;
+        o += (e >> 25) & 3u;
         flags |= e;
     }
-    while (produced < count) {
+    while (o < oend) {
         UZ_REFILL();
         u32 sy = single[buf & (LUT_SIZE - 1)], l = sy >> 8;
         flags |= l ? 0u : LUT_BAD_BIT;
         l = l ? l : 1u; /* an invalid code ends the stream as corrupt; keep the loop finite */
-        out[produced++] = (u8)sy;
+        base[o++] = (u8)sy;
         buf >>= l;
         nb -= l;
-        consumed += l;
     }
 #undef UZ_REFILL
+    /* the bits taken: those loaded (two words from bit sh, then 32 a refill) less those left */
+    const u32 consumed = 64 - sh + 32 * (wi - wi0 - 3) - nb;
     return !(flags & LUT_BAD_BIT) && (consumed + 7) / 8 == stop - start;
 }
 
@@ -1534,15 +1542,18 @@ __device__ void dec_block_fast(const u8 *frame, u64 payload_off, u64 payload_len
             const PlaneDesc &p = sm.pd[hp];
             k = p.k;
             /* a 4-byte multiple: frames are whole 16-byte units, so these words stay inside */
-            const u32 *words = staged ? (const u32 *)sect : (const u32 *)(blk + p.data_off);
             const u32 nwords = staged ? 4 * hu : (u32)((payload_len - sm.start - p.data_off) / 4);
             for (u32 j = tid; j < k; j += NT) {
                 u32 start = j ? load_u16(win + p.ends_off + 2 * j - 2) : 0u, stop = load_u16(win + p.ends_off + 2 * j);
+                const u32 count = p.count - j * S < S ? p.count - j * S : S;
                 u32 code = 0;
                 if (stop < start)
                     code = E_ENDS_BACK;
-                else if (!decode_substream(words, nwords, start, stop, p.count - j * S < S ? p.count - j * S : S, lut,
-                                           single, sym + j * (S + 16)))
+                else if (!(staged /* (two calls: shared-memory loads for the staged words, not generic ones) */
+                               ? decode_substream((const u32 *)sect, nwords, start, stop, count, lut, single, sym,
+                                                  j * (S + 16))
+                               : decode_substream((const u32 *)(blk + p.data_off), nwords, start, stop, count, lut,
+                                                  single, sym, j * (S + 16))))
                     code = E_STREAM;
                 if (code) {
                     report(err, b, code);
@@ -1572,7 +1583,47 @@ __device__ void dec_block_fast(const u8 *frame, u64 payload_off, u64 payload_len
         if (sm.bad) return;
         PHASE(1, 4);
         constexpr int F = L::NPLANES > 2 ? 1 : 2; /* chunks in flight; fp32 keeps one: 64 registers */
-        for (u32 c0 = tid; c0 < nchunks; c0 += F * NT) {
+        /* The common block, whole chunks whose one HUFF plane is the layout's coded plane and the
+         * rest RAW, takes a loop with its plane modes fixed at compile time, the symbols' place by
+         * shifts and no partial stores: 19 -> 6 instructions per element in SASS. */
+        constexpr int HP = L::HPLANE < 0 ? 0 : L::HPLANE;
+        bool simple = L::HPLANE >= 0 && n % 16 == 0 && hp == (u32)HP;
+        u32 doff[L::NPLANES];
+#pragma unroll
+        for (int q = 0; q < L::NPLANES; q++) {
+            doff[q] = sm.pd[q].data_off;
+            if (q != HP) simple = simple && sm.pd[q].mode == PLANE_RAW;
+        }
+        const u32 ls = 31 - __clz(S); /* S is a power of two (the header's check) */
+        for (u32 c0 = tid; simple && c0 < nchunks; c0 += F * NT) {
+            uint4 pl[F][L::NPLANES];
+#pragma unroll
+            for (int h = 0; h < F; h++) {
+                const u32 c = c0 + h * NT, e = 16 * c;
+                if (c >= nchunks) continue;
+#pragma unroll
+                for (int q = 0; q < L::NPLANES; q++)
+                    pl[h][q] = q == HP ? *(const uint4 *)(sym + (e >> ls) * (S + 16) + (e & (S - 1)))
+                                       : *(const uint4 *)(blk + doff[q] + e);
+            }
+#pragma unroll
+            for (int h = 0; h < F; h++) {
+                const u32 c = c0 + h * NT;
+                if (c >= nchunks) continue;
+                uint4 o[L::ITEM];
+                if (!helpers)
+#pragma unroll
+                    for (int q = 0; q < L::NPLANES; q++)
+                        if (q != HP) h_pay += uzh_chunk(pl[h][q], (doff[q] >> 4) + c);
+                L::merge(pl[h], o);
+#pragma unroll
+                for (int i = 0; i < L::ITEM; i++) {
+                    *(uint4 *)(dst + 16 * (L::ITEM * c + i)) = o[i];
+                    h_orig += uzh_chunk(o[i], L::ITEM * c + i);
+                }
+            }
+        }
+        for (u32 c0 = tid; !simple && c0 < nchunks; c0 += F * NT) {
             uint4 pl[F][L::NPLANES];
 #pragma unroll
             for (int h = 0; h < F; h++) {
@@ -1726,7 +1777,7 @@ __device__ void dec_block_general(const u8 *frame, u64 payload_off, u64 payload_
                     else if (!decode_substream((const u32 *)(blk + p.data_off),
                                                (u32)((payload_len - sm.start - p.data_off) / 4), start, stop,
                                                p.count - j * S < S ? p.count - j * S : S, lut, single,
-                                               slot + q * plane_stride + j * S))
+                                               slot + q * plane_stride + j * S, 0u))
                         code = E_STREAM;
                     if (code) {
                         report(err, b, code);
