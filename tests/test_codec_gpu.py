@@ -245,6 +245,30 @@ def test_every_substream_size(gpu, monkeypatch, block, sub):
     assert torch.equal(bits(gpu.decompress(frame)), bits(x))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn])
+def test_whole_blocks_every_layout(gpu, monkeypatch, dtype):
+    """65536-element blocks, two whole and a last partial one, for each coded layout: the
+    encoder's and the fast decoder's loops for whole rounds of whole chunks (no bounds checks,
+    plane modes fixed at compile time) beside the general ones they skip. The CPU's frame of the
+    same tensor, whose blocks differ, goes through the GPU decoder too."""
+    monkeypatch.setenv("UZIP_GPU_BLOCK_ELEMS", "65536")
+    n = 2 * 65536 + 4000
+    if dtype.itemsize == 1:
+        x = (torch.randn(n, generator=torch.Generator().manual_seed(7)) * 3).to(dtype)
+    else:
+        x = random_tensor(dtype, n, seed=7, kind="normal")
+    x = x.to(gpu.dev)
+    out = torch.empty(fmt.max_compressed_size(x.nbytes, str(dtype).split(".")[1], block_elems=65536),
+                      dtype=torch.uint8, device=gpu.dev)
+    frame = out[:gpu.codec.compress_device(x, out)].cpu().numpy().tobytes()
+    h = uz.read_header(frame)
+    assert (h.block_elems, h.num_blocks) == (65536, 3)
+    assert len(frame) < 0.9 * x.nbytes  # the exponent plane really was entropy-coded
+    assert torch.equal(bits(uz.decompress(frame)), bits(x))
+    assert torch.equal(bits(gpu.decompress(frame)), bits(x))
+    assert torch.equal(bits(gpu.decompress(bytes(uz.compress(x.cpu())))), bits(x))
+
+
 def test_frames_do_not_depend_on_scheduling():
     """GPU frames are a function of the tensor alone: the emulator with 1 and 5 CUDA blocks in
     flight (the look-back then waits, or never does), and with blocks started last first (so no
