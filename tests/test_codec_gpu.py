@@ -225,7 +225,7 @@ def test_code_lengths_match_the_cpu(gpu, counts):
     assert huff_lengths(gframe) == huff_lengths(bytes(uz.compress(x)))
 
 
-@pytest.mark.parametrize("block,sub", [(65536, 64), (65536, 256), (65536, 1024), (4096, 64), (4096, 128),
+@pytest.mark.parametrize("block,sub", [(65536, 64), (65536, 256), (65536, 512), (65536, 1024), (4096, 64), (4096, 128),
                                        (4096, 1024)])
 def test_every_substream_size(gpu, monkeypatch, block, sub):
     """The encoder's writer at each sub-stream length: 8 to 32 symbols per lane (the 8-

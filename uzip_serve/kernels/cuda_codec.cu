@@ -1211,20 +1211,23 @@ __device__ void enc_block(const u8 *src, u64 numel, u32 be, u32 S, u8 *out, u64 
     const u32 pmode = sm.plane_mode, k = sm.k;
     /* a group of G lanes per sub-stream, a lane per run of S / G symbols, as the writer will
      * place them; each run's bits are kept for the writer when they fit (always at the default
-     * sizes). G is a warp, or S / 8 lanes (a half or a quarter warp) for shorter sub-streams:
-     * a lane's run stays at 8 symbols (the writer's fast path), and a small block's 32 or 64
-     * sub-streams take one round of 16 warps, not two or four (rounds 11 and 13). */
-    const u32 G = S >= 256 ? 32u : S >= 128 ? 16u : 8u, spw = 32 / G, gl = lane & (G - 1), sub = lane / G;
+     * sizes). Up to 256 symbols G is S / 8 lanes (a warp, a half or a quarter): a lane's run
+     * stays at 8 symbols (the writer's fast path), and a small block's 32 or 64 sub-streams
+     * take one round of 16 warps, not two or four (rounds 11 and 13), where latency counts.
+     * From 512, frames of 8 MiB and more, a lane takes 32 symbols (G = S / 32): a sub-stream
+     * costs each lane ~110 instructions besides its symbols (scan, offsets, copy), 7 per
+     * element at 16 symbols a lane (round 14). */
+    const u32 G = S >> (S >= 512 ? 5 : 3), spw = 32 / G, gl = lane & (G - 1), sub = lane / G;
     const u32 per = S / G;
     const bool wide_runs = per * MAX_CODE_LEN > 0xFF;
-    const bool keep_runs = k * 32u * (wide_runs ? 2u : 1u) <= RUNS_BYTES;
+    const bool keep_runs = k * G * (wide_runs ? 2u : 1u) <= RUNS_BYTES;
     u32 huff_total = 0;
     if (pmode == PLANE_HUFF) {
         for (u32 j0 = warp * spw; j0 < k; j0 += NW * spw) {
             const u32 j = j0 + sub, s0 = j * S + gl * per, cnt = run_count(j < k, s0, n, per);
             u32 bits = run_bits(E, s0, cnt, ct);
-            if (j < k && keep_runs && wide_runs) ((u16 *)sm.runs)[32 * j + gl] = (u16)bits;
-            if (j < k && keep_runs && !wide_runs) sm.runs[32 * j + gl] = (u8)bits;
+            if (j < k && keep_runs && wide_runs) ((u16 *)sm.runs)[G * j + gl] = (u16)bits;
+            if (j < k && keep_runs && !wide_runs) sm.runs[G * j + gl] = (u8)bits;
             if (G == 32)
                 bits = __reduce_add_sync(0xffffffffu, bits);
             else
@@ -1368,8 +1371,8 @@ __device__ void enc_block(const u8 *src, u64 numel, u32 be, u32 S, u8 *out, u64 
         if (huff) { /* a group of G lanes per sub-stream, each copied out whole */
             u8 *sec = dst + sm.data_off[hp];
             const bool fuse_hash = be <= FUSE_HASH_MAX_BLOCK;
-            /* a group's buffer is its share of the warp's: at most S x 11 bits, 44 words for
-             * a half warp (S = 128) and 22 for a quarter (S = 64) */
+            /* a group's buffer is its share of the warp's: at most S x 11 bits, 176 words
+             * for a half warp at S = 512 (of 178), 44 at S = 128 and 22 for a quarter (S = 64) */
             u32 *wb32 = (u32 *)(wbufs + warp * WBUF_BYTES) + sub * (WBUF_BYTES / 4 / spw);
             for (u32 j0 = warp * spw; j0 < k; j0 += NW * spw) {
                 const u32 j = j0 + sub;
@@ -1378,7 +1381,7 @@ __device__ void enc_block(const u8 *src, u64 numel, u32 be, u32 S, u8 *out, u64 
                 const u32 s0 = j * S + gl * per, cnt = run_count(live, s0, n, per);
                 u32 bits = !live       ? 0u
                            : !keep_runs ? run_bits(E, s0, cnt, ct)
-                           : wide_runs  ? ((const u16 *)sm.runs)[32 * j + gl] : sm.runs[32 * j + gl];
+                           : wide_runs  ? ((const u16 *)sm.runs)[G * j + gl] : sm.runs[G * j + gl];
                 encode_substream(E, s0, cnt, bits, ct, wb32, G);
                 if (fuse_hash)
                     h_pay += copy_substream<true>(wb32, sec + start, sm.data_off[hp] + start, stop - start, G);
