@@ -902,6 +902,16 @@ __device__ __forceinline__ void load_chunk(const u8 *in, u32 c, u32 nbytes, uint
     }
 }
 
+/* Chunks c0, c0 + NT, ... (F of them) of a block that is whole rounds of whole chunks: plain
+ * loads, none of load_chunk's bounds. */
+template <int ITEM, int F>
+__device__ __forceinline__ void load_round(const u8 *in, u32 c0, uint4 (*v)[ITEM]) {
+#pragma unroll
+    for (int h = 0; h < F; h++)
+#pragma unroll
+        for (int i = 0; i < ITEM; i++) v[h][i] = ((const uint4 *)in)[ITEM * (c0 + h * NT) + i];
+}
+
 /* The code bits of symbols E[s0, s0 + cnt): lengths from a 256-entry table; the symbols are
  * read 8 at a time (a lane's run is 8 or 16 at 256 or 512 symbols per sub-stream) so the
  * lookups are independent loads. */
@@ -1089,6 +1099,7 @@ __device__ void enc_block(const u8 *src, u64 numel, u32 be, u32 S, u8 *out, u64 
     auto count = [&](u32 sym) { atomicAdd((u32 *)((u8 *)hist32 + (sym * 128u + hlane)), 1u); };
     u64 h_orig = 0, h_pay = 0;
     constexpr int F = L::ITEM > 2 ? 2 : 4; /* chunks in flight per thread, within 64 registers */
+    const bool whole = n % 16 == 0 && nchunks % (F * NT) == 0; /* whole rounds of F chunks a thread */
     /* A block of at most NT chunks with two planes (bf16, fp16) keeps its chunk's RAW plane in
      * 4 registers until step 5 writes it: no second read of the block from L2 after the
      * look-back, where a small block's latency is the cost (docs/gpu.md, round 12). */
@@ -1117,13 +1128,10 @@ __device__ void enc_block(const u8 *src, u64 numel, u32 be, u32 S, u8 *out, u64 
     };
     if (hit) { /* a chunk per thread at most, loaded before the ticket */
         if ((u32)tid < nchunks) take(pre, tid, true, false);
-    } else if (n % 16 == 0 && nchunks % (F * NT) == 0) { /* whole rounds of whole chunks: no bounds */
+    } else if (whole) { /* whole rounds of whole chunks: no bounds */
         for (u32 c0 = tid; c0 < nchunks; c0 += F * NT) {
             uint4 v[F][L::ITEM];
-#pragma unroll
-            for (int h = 0; h < F; h++)
-#pragma unroll
-                for (int i = 0; i < L::ITEM; i++) v[h][i] = ((const uint4 *)in)[L::ITEM * (c0 + h * NT) + i];
+            load_round<L::ITEM, F>(in, c0, v);
 #pragma unroll
             for (int h = 0; h < F; h++) take(v[h], c0 + h * NT, h == 0, true);
         }
@@ -1333,17 +1341,13 @@ __device__ void enc_block(const u8 *src, u64 numel, u32 be, u32 S, u8 *out, u64 
                 h_pay += uzh_chunk(v, (sm.data_off[p] >> 4) + c);
             }
         }
-        const bool whole = n % 16 == 0 && nchunks % (F * NT) == 0;
         if (whole && !kept && pmode != PLANE_RAW) { /* the same for whole rounds, the coded plane not RAW */
             u32 doff[L::NPLANES];
 #pragma unroll
             for (int p = 0; p < L::NPLANES; p++) doff[p] = sm.data_off[p];
             for (u32 c0 = tid; c0 < nchunks; c0 += F * NT) {
                 uint4 v[F][L::ITEM];
-#pragma unroll
-                for (int h = 0; h < F; h++)
-#pragma unroll
-                    for (int i = 0; i < L::ITEM; i++) v[h][i] = ((const uint4 *)in)[L::ITEM * (c0 + h * NT) + i];
+                load_round<L::ITEM, F>(in, c0, v);
 #pragma unroll
                 for (int h = 0; h < F; h++) {
                     const u32 c = c0 + h * NT;
@@ -1597,7 +1601,7 @@ __device__ void dec_block_fast(const u8 *frame, u64 payload_off, u64 payload_len
         constexpr int F = L::NPLANES > 2 ? 1 : 2; /* chunks in flight; fp32 keeps one: 64 registers */
         /* The common block, whole chunks whose one HUFF plane is the layout's coded plane and the
          * rest RAW, takes a loop with its plane modes fixed at compile time, the symbols' place by
-         * shifts and no partial stores: 19 -> 6 instructions per element in SASS. */
+         * shifts and no partial stores: 19 -> 8.5 instructions per element in SASS. */
         constexpr int HP = L::HPLANE < 0 ? 0 : L::HPLANE;
         bool simple = L::HPLANE >= 0 && n % 16 == 0 && hp == (u32)HP;
         u32 doff[L::NPLANES];
@@ -1607,73 +1611,58 @@ __device__ void dec_block_fast(const u8 *frame, u64 payload_off, u64 payload_len
             if (q != HP) simple = simple && sm.pd[q].mode == PLANE_RAW;
         }
         const u32 ls = 31 - __clz(S); /* S is a power of two (the header's check) */
-        for (u32 c0 = tid; simple && c0 < nchunks; c0 += F * NT) {
-            uint4 pl[F][L::NPLANES];
+        /* (a constant argument at each call: inlined, each call is its own loop) */
+        auto merge_chunks = [&](const bool SIMPLE) {
+            for (u32 c0 = tid; c0 < nchunks; c0 += F * NT) {
+                uint4 pl[F][L::NPLANES];
 #pragma unroll
-            for (int h = 0; h < F; h++) {
-                const u32 c = c0 + h * NT, e = 16 * c;
-                if (c >= nchunks) continue;
+                for (int h = 0; h < F; h++) {
+                    const u32 c = c0 + h * NT, e = 16 * c;
+                    if (c >= nchunks) continue;
 #pragma unroll
-                for (int q = 0; q < L::NPLANES; q++)
-                    pl[h][q] = q == HP ? *(const uint4 *)(sym + (e >> ls) * (S + 16) + (e & (S - 1)))
-                                       : *(const uint4 *)(blk + doff[q] + e);
-            }
-#pragma unroll
-            for (int h = 0; h < F; h++) {
-                const u32 c = c0 + h * NT;
-                if (c >= nchunks) continue;
-                uint4 o[L::ITEM];
-                if (!helpers)
-#pragma unroll
-                    for (int q = 0; q < L::NPLANES; q++)
-                        if (q != HP) h_pay += uzh_chunk(pl[h][q], (doff[q] >> 4) + c);
-                L::merge(pl[h], o);
-#pragma unroll
-                for (int i = 0; i < L::ITEM; i++) {
-                    *(uint4 *)(dst + 16 * (L::ITEM * c + i)) = o[i];
-                    h_orig += uzh_chunk(o[i], L::ITEM * c + i);
+                    for (int q = 0; q < L::NPLANES; q++) {
+                        const u32 mode = SIMPLE ? (q == HP ? (u32)PLANE_HUFF : (u32)PLANE_RAW) : sm.pd[q].mode;
+                        if (mode == PLANE_HUFF) {
+                            pl[h][q] = *(const uint4 *)(sym + (e >> ls) * (S + 16) + (e & (S - 1)));
+                        } else if (mode == PLANE_RAW) {
+                            pl[h][q] = *(const uint4 *)(blk + doff[q] + e);
+                        } else {
+                            u32 v = sm.pd[q].value * 0x01010101u;
+                            pl[h][q] = make_uint4(v, v, v, v);
+                        }
+                    }
                 }
-            }
-        }
-        for (u32 c0 = tid; !simple && c0 < nchunks; c0 += F * NT) {
-            uint4 pl[F][L::NPLANES];
 #pragma unroll
-            for (int h = 0; h < F; h++) {
-                const u32 c = c0 + h * NT;
-                if (c >= nchunks) continue;
+                for (int h = 0; h < F; h++) {
+                    const u32 c = c0 + h * NT;
+                    if (c >= nchunks) continue;
+                    uint4 o[L::ITEM];
+                    if (!helpers)
 #pragma unroll
-                for (int q = 0; q < L::NPLANES; q++) {
-                    const PlaneDesc &p = sm.pd[q];
-                    if (p.mode == PLANE_HUFF) {
-                        pl[h][q] = *(const uint4 *)(sym + (16 * c / S) * (S + 16) + (16 * c) % S);
-                    } else if (p.mode == PLANE_RAW) {
-                        pl[h][q] = *(const uint4 *)(blk + p.data_off + 16 * c);
-                    } else {
-                        u32 v = p.value * 0x01010101u;
-                        pl[h][q] = make_uint4(v, v, v, v);
+                        for (int q = 0; q < L::NPLANES; q++)
+                            if (SIMPLE ? q != HP : sm.pd[q].mode == PLANE_RAW)
+                                h_pay += uzh_chunk(pl[h][q], (doff[q] >> 4) + c);
+                    L::merge(pl[h], o);
+#pragma unroll
+                    for (int i = 0; i < L::ITEM; i++) {
+                        if (SIMPLE) {
+                            *(uint4 *)(dst + 16 * (L::ITEM * c + i)) = o[i];
+                            h_orig += uzh_chunk(o[i], L::ITEM * c + i);
+                            continue;
+                        }
+                        int rem = (int)nbytes - 16 * (L::ITEM * (int)c + i);
+                        if (rem <= 0) continue;
+                        u32 valid = rem < 16 ? (u32)rem : 16u;
+                        store16_partial(dst + 16 * (L::ITEM * c + i), o[i], valid);
+                        h_orig += uzh_chunk(zero_tail(o[i], valid), L::ITEM * c + i);
                     }
                 }
             }
-#pragma unroll
-            for (int h = 0; h < F; h++) {
-                const u32 c = c0 + h * NT;
-                if (c >= nchunks) continue;
-                uint4 o[L::ITEM];
-                if (!helpers)
-#pragma unroll
-                    for (int q = 0; q < L::NPLANES; q++)
-                        if (sm.pd[q].mode == PLANE_RAW) h_pay += uzh_chunk(pl[h][q], (sm.pd[q].data_off >> 4) + c);
-                L::merge(pl[h], o);
-#pragma unroll
-                for (int i = 0; i < L::ITEM; i++) {
-                    int rem = (int)nbytes - 16 * (L::ITEM * (int)c + i);
-                    if (rem <= 0) continue;
-                    u32 valid = rem < 16 ? (u32)rem : 16u;
-                    store16_partial(dst + 16 * (L::ITEM * c + i), o[i], valid);
-                    h_orig += uzh_chunk(zero_tail(o[i], valid), L::ITEM * c + i);
-                }
-            }
-        }
+        };
+        if (simple)
+            merge_chunks(true);
+        else
+            merge_chunks(false);
         PHASE(1, 5);
     }
     block_sum2(h_orig, h_pay, sm.red);
