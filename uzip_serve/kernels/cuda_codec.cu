@@ -606,9 +606,9 @@ __device__ u32 build_lut(CodeTables &ct, u32 l, u32 *lut, u16 *single, u32 *flag
  * load whenever one of its 32 streams refilled, i.e. at almost every lookup (350 cycles per
  * lookup instead of ~60; docs/gpu.md). (So was a funnel-shifted window of two words, tried in
  * round 14: ptxas loaded its next word into a temporary and moved it at once, which waits.)
- * Round 14 counts the bits taken from where the reader stands, not per lookup, and stores
- * the symbols at base + o, an offset into shared memory for the fast decoder: 28 instructions
- * a lookup where there were 35 (SASS). */
+ * Round 14 counts the bits taken from where the reader stands, not per lookup, stores the
+ * symbols at base + o (an offset into shared memory for the fast decoder) and refills once
+ * per two lookups: 23 instructions a lookup where there were 35 (SASS). */
 __device__ __forceinline__ bool decode_substream(const u32 *words, u32 nwords, u32 start, u32 stop, u32 count,
                                                  const u32 *lut, const u16 *single, u8 *base, u32 o) {
     const u32 last = nwords - 1;
