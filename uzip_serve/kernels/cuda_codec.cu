@@ -902,14 +902,22 @@ __device__ __forceinline__ void load_chunk(const u8 *in, u32 c, u32 nbytes, uint
     }
 }
 
-/* Chunks c0, c0 + NT, ... (F of them) of a block that is whole rounds of whole chunks: plain
- * loads, none of load_chunk's bounds. */
+/* Chunks c0, c0 + NT, ... (F of them) of a block of nchunks chunks, nbytes bytes. A block that
+ * is whole rounds of whole chunks (`whole`, a constant at each call) takes plain loads, none of
+ * load_chunk's bounds; otherwise chunks past the block are not loaded. */
 template <int ITEM, int F>
-__device__ __forceinline__ void load_round(const u8 *in, u32 c0, uint4 (*v)[ITEM]) {
+__device__ __forceinline__ void load_round(const u8 *in, u32 c0, u32 nchunks, u32 nbytes, bool whole,
+                                           uint4 (*v)[ITEM]) {
 #pragma unroll
-    for (int h = 0; h < F; h++)
+    for (int h = 0; h < F; h++) {
+        const u32 c = c0 + h * NT;
+        if (whole) {
 #pragma unroll
-        for (int i = 0; i < ITEM; i++) v[h][i] = ((const uint4 *)in)[ITEM * (c0 + h * NT) + i];
+            for (int i = 0; i < ITEM; i++) v[h][i] = ((const uint4 *)in)[ITEM * c + i];
+        } else if (c < nchunks) {
+            load_chunk<ITEM>(in, c, nbytes, v[h]);
+        }
+    }
 }
 
 /* The code bits of symbols E[s0, s0 + cnt): lengths from a 256-entry table; the symbols are
@@ -1107,7 +1115,7 @@ __device__ void enc_block(const u8 *src, u64 numel, u32 be, u32 S, u8 *out, u64 
     const bool kept = KP >= 0 && coded && nchunks <= NT;
     uint4 keep = zero4();
     /* chunk c: its share of the hash, its entropy symbols into E and the histogram */
-    auto take = [&](const uint4 *v, u32 c, bool first, bool whole) {
+    auto take = [&](const uint4 *v, u32 c, bool first, bool full) {
 #pragma unroll
         for (int i = 0; i < L::ITEM; i++) h_orig += uzh_chunk(v[i], L::ITEM * c + i);
         if (coded) {
@@ -1116,7 +1124,7 @@ __device__ void enc_block(const u8 *src, u64 numel, u32 be, u32 S, u8 *out, u64 
             const uint4 sy = pl[hp];
             *(uint4 *)(E + 16 * c) = sy;
             if (KP >= 0 && first) keep = pl[KP < 0 ? 0 : KP];
-            const u32 cnt = whole || n - 16 * c >= 16 ? 16 : n - 16 * c;
+            const u32 cnt = full || n - 16 * c >= 16 ? 16 : n - 16 * c;
             if (cnt == 16) { /* every chunk but a block's last: no per-symbol branches */
                 const u32 w[4] = {sy.x, sy.y, sy.z, sy.w};
 #pragma unroll
@@ -1128,23 +1136,21 @@ __device__ void enc_block(const u8 *src, u64 numel, u32 be, u32 S, u8 *out, u64 
     };
     if (hit) { /* a chunk per thread at most, loaded before the ticket */
         if ((u32)tid < nchunks) take(pre, tid, true, false);
-    } else if (whole) { /* whole rounds of whole chunks: no bounds */
-        for (u32 c0 = tid; c0 < nchunks; c0 += F * NT) {
-            uint4 v[F][L::ITEM];
-            load_round<L::ITEM, F>(in, c0, v);
-#pragma unroll
-            for (int h = 0; h < F; h++) take(v[h], c0 + h * NT, h == 0, true);
-        }
     } else {
-        for (u32 c0 = tid; c0 < nchunks; c0 += F * NT) {
-            uint4 v[F][L::ITEM];
+        /* (a constant argument at each call: inlined, the whole-round loop has no bounds) */
+        auto read_rounds = [&](const bool WHOLE) {
+            for (u32 c0 = tid; c0 < nchunks; c0 += F * NT) {
+                uint4 v[F][L::ITEM];
+                load_round<L::ITEM, F>(in, c0, nchunks, nbytes, WHOLE, v);
 #pragma unroll
-            for (int h = 0; h < F; h++)
-                if (c0 + h * NT < nchunks) load_chunk<L::ITEM>(in, c0 + h * NT, nbytes, v[h]);
-#pragma unroll
-            for (int h = 0; h < F; h++)
-                if (c0 + h * NT < nchunks) take(v[h], c0 + h * NT, h == 0, false);
-        }
+                for (int h = 0; h < F; h++)
+                    if (WHOLE || c0 + h * NT < nchunks) take(v[h], c0 + h * NT, h == 0, WHOLE);
+            }
+        };
+        if (whole)
+            read_rounds(true);
+        else
+            read_rounds(false);
     }
     __syncthreads();
     PHASE(0, 0);
@@ -1341,13 +1347,13 @@ __device__ void enc_block(const u8 *src, u64 numel, u32 be, u32 S, u8 *out, u64 
                 h_pay += uzh_chunk(v, (sm.data_off[p] >> 4) + c);
             }
         }
-        if (whole && !kept && pmode != PLANE_RAW) { /* the same for whole rounds, the coded plane not RAW */
+        if (whole && !kept && pmode != PLANE_RAW) { /* whole rounds, the coded plane not RAW: no bounds */
             u32 doff[L::NPLANES];
 #pragma unroll
             for (int p = 0; p < L::NPLANES; p++) doff[p] = sm.data_off[p];
             for (u32 c0 = tid; c0 < nchunks; c0 += F * NT) {
                 uint4 v[F][L::ITEM];
-                load_round<L::ITEM, F>(in, c0, v);
+                load_round<L::ITEM, F>(in, c0, nchunks, nbytes, true, v);
 #pragma unroll
                 for (int h = 0; h < F; h++) {
                     const u32 c = c0 + h * NT;
@@ -1362,11 +1368,11 @@ __device__ void enc_block(const u8 *src, u64 numel, u32 be, u32 S, u8 *out, u64 
                 }
             }
         }
-        for (u32 c0 = kept || (whole && pmode != PLANE_RAW) ? nchunks : tid; c0 < nchunks; c0 += F * NT) { /* RAW planes: the block again, from L2 */
+        /* RAW planes: the block again, from L2. (One loop with the whole-round one above, by
+         * a constant flag as in step 1, spilled fp32's registers in it: 8 -> 64 bytes.) */
+        for (u32 c0 = kept || (whole && pmode != PLANE_RAW) ? nchunks : tid; c0 < nchunks; c0 += F * NT) {
             uint4 v[F][L::ITEM];
-#pragma unroll
-            for (int h = 0; h < F; h++)
-                if (c0 + h * NT < nchunks) load_chunk<L::ITEM>(in, c0 + h * NT, nbytes, v[h]);
+            load_round<L::ITEM, F>(in, c0, nchunks, nbytes, false, v);
 #pragma unroll
             for (int h = 0; h < F; h++) {
                 const u32 c = c0 + h * NT;
